@@ -1,0 +1,1 @@
+"""Attention over a paged KV cache: the KV store, a reference backend and the segmented kernel."""

@@ -1,0 +1,117 @@
+"""Per-step attention inputs, built once by the model runner and read by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each active token's K/V goes and what cached KV each request attends to.
+
+    The step's active tokens are laid out request by request (B requests, T = ``num_actual_tokens``
+    real rows, then padding rows up to ``num_padded_tokens``). Request ``i`` owns rows
+    ``query_start_loc[i] : query_start_loc[i + 1]``; those are its tokens at absolute positions
+    ``prior_tokens[i] + 0 .. prior_tokens[i] + query_len - 1``.
+
+    Attributes:
+        num_actual_tokens: T, real active tokens (padding rows are >= T and write nowhere).
+        num_padded_tokens: rows in the padded batch (a bucket >= T).
+        slot_mapping: ``[T]`` int64, cache slot (``block_id * block_size + offset``) of each real row.
+        block_table: ``[B, max_blocks_per_seq]`` int32, each request's block ids; unused columns 0
+            (the null block). ``max_blocks_per_seq = cdiv(max_model_len, block_size)``.
+        query_start_loc: ``[B + 1]`` int32, row offsets of each request in the batch.
+        prior_tokens: ``[B, 1]`` int32, tokens of each request already in the cache before this
+            step (prefix hits + earlier chunks + earlier decodes) — the seed's ``cached_seq_len``,
+            per request instead of the batch maximum.
+        seq_lens: ``[B]`` int32, ``prior_tokens + query_len``.
+        max_query_len: longest query in the batch (tokens).
+        max_prior_tokens: longest prior in the batch (tokens).
+        block_size: tokens per block.
+        kv_segment_size: tokens per prior-KV segment the segmented kernel walks.
+        query_start_loc_cpu, prior_tokens_cpu: the same numbers as Python lists, so kernels can
+            loop without ``.item()`` syncs.
+    """
+
+    num_actual_tokens: int
+    num_padded_tokens: int
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    prior_tokens: torch.Tensor
+    seq_lens: torch.Tensor
+    max_query_len: int
+    max_prior_tokens: int
+    block_size: int
+    kv_segment_size: int
+    query_start_loc_cpu: tuple[int, ...]
+    prior_tokens_cpu: tuple[int, ...]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.prior_tokens_cpu)
+
+    @property
+    def query_lens_cpu(self) -> tuple[int, ...]:
+        q = self.query_start_loc_cpu
+        return tuple(q[i + 1] - q[i] for i in range(len(q) - 1))
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    prior_tokens: list[int],
+    block_ids: list[list[int]],
+    block_size: int,
+    max_blocks_per_seq: int,
+    kv_segment_size: int,
+    num_padded_tokens: int | None = None,
+) -> AttentionMetadata:
+    """Build metadata from plain lists (used by tests and by the model runner).
+
+    Args:
+        query_lens: per request, active tokens this step.
+        prior_tokens: per request, tokens already cached before this step.
+        block_ids: per request, its block-table row (must cover ``prior + query_len`` tokens).
+        block_size: tokens per block.
+        max_blocks_per_seq: columns of the block table.
+        kv_segment_size: segment size the segmented kernel walks.
+        num_padded_tokens: padded row count; defaults to the real count.
+
+    Raises:
+        ValueError: when a row does not hold enough blocks or exceeds ``max_blocks_per_seq``.
+    """
+    import numpy as np
+
+    num_reqs = len(query_lens)
+    table = np.zeros((num_reqs, max_blocks_per_seq), dtype=np.int32)
+    slots = []
+    for i, (q, p, row) in enumerate(zip(query_lens, prior_tokens, block_ids)):
+        needed = -(-(p + q) // block_size)
+        if len(row) < needed or len(row) > max_blocks_per_seq:
+            raise ValueError(
+                f"request {i}: {len(row)} blocks for {p + q} tokens (need {needed}, at most "
+                f"{max_blocks_per_seq})"
+            )
+        table[i, : len(row)] = row
+        pos = np.arange(p, p + q)
+        slots.append(np.asarray(row, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
+    qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(query_lens)
+    total = int(qsl[-1])
+    return AttentionMetadata(
+        num_actual_tokens=total,
+        num_padded_tokens=total if num_padded_tokens is None else num_padded_tokens,
+        slot_mapping=torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, np.int64)),
+        block_table=torch.from_numpy(table),
+        query_start_loc=torch.from_numpy(qsl),
+        prior_tokens=torch.tensor(prior_tokens, dtype=torch.int32).view(num_reqs, 1),
+        seq_lens=torch.tensor([p + q for p, q in zip(prior_tokens, query_lens)], dtype=torch.int32),
+        max_query_len=max(query_lens, default=0),
+        max_prior_tokens=max(prior_tokens, default=0),
+        block_size=block_size,
+        kv_segment_size=kv_segment_size,
+        query_start_loc_cpu=tuple(int(x) for x in qsl),
+        prior_tokens_cpu=tuple(int(p) for p in prior_tokens),
+    )

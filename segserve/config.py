@@ -1,0 +1,179 @@
+"""Engine configuration: frozen dataclasses of plain numbers, checked in ``__post_init__``.
+
+Nothing here touches torch, a file or a model, so ``segserve.core`` can build and test a scheduler
+from these alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_KV_SEGMENT_SIZES = (512, 1024, 2048, 4096)
+SCHEDULING_POLICIES = ("decode_first", "prefill_first")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints: the number of ``b``-sized blocks that hold ``a`` items."""
+    return -(-a // b)
+
+
+def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Padding buckets for the active-token count of a step.
+
+    Powers of two up to 256, then multiples of 256, ending at the first entry >= the budget. The small
+    buckets keep decode steps from paying for padded rows; the coarse ones bound the number of
+    distinct shapes a compiled graph would see.
+    """
+    buckets = [1]
+    while buckets[-1] < min(256, max_num_batched_tokens):
+        buckets.append(buckets[-1] * 2)
+    while buckets[-1] < max_num_batched_tokens:
+        buckets.append(buckets[-1] + 256)
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape and prefix caching.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_kv_blocks: blocks in the pool, including the null block 0 (never handed out). ``None``
+            means: size the pool from ``kv_cache_memory_bytes`` once the model shape is known.
+        kv_cache_memory_bytes: memory budget for the whole KV cache (all layers, K and V), bytes.
+        enable_prefix_caching: reuse full blocks whose chained hash matches.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.block_size <= 4096) or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 4096], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(
+                f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}"
+            )
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budget and admission limits.
+
+    Attributes:
+        max_num_batched_tokens: hard cap on tokens computed in one step (decodes + prefill chunks).
+        max_num_seqs: cap on requests running at once.
+        max_model_len: cap on prompt + generated tokens of one request.
+        long_prefill_token_threshold: cap on one request's prefill chunk per step; 0 means no cap
+            beyond the budget (vLLM's meaning).
+        policy: ``"decode_first"`` (running requests, decodes included, are scheduled before waiting
+            prefills: protects inter-token latency) or ``"prefill_first"`` (waiting prompts are
+            admitted before running requests: protects time to first token). Seed 003.
+        num_batched_tokens_buckets: sorted padding buckets for a step's active tokens; the largest
+            must be >= ``max_num_batched_tokens``.
+        max_num_partial_prefills: how many requests may be mid-prefill in one step.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    long_prefill_token_threshold: int = 0
+    policy: str = "decode_first"
+    num_batched_tokens_buckets: tuple[int, ...] | None = None
+    max_num_partial_prefills: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0 = no cap), got "
+                f"{self.long_prefill_token_threshold}"
+            )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.num_batched_tokens_buckets is None:
+            object.__setattr__(
+                self, "num_batched_tokens_buckets", default_token_buckets(self.max_num_batched_tokens)
+            )
+        buckets = tuple(int(b) for b in self.num_batched_tokens_buckets)
+        object.__setattr__(self, "num_batched_tokens_buckets", buckets)
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"num_batched_tokens_buckets must be non-empty positive ints, got {buckets}")
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"num_batched_tokens_buckets must be strictly increasing, got {buckets}")
+        if buckets[-1] < self.max_num_batched_tokens:
+            raise ValueError(
+                f"largest num_batched_tokens_buckets entry {buckets[-1]} is below "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+
+    @property
+    def chunk_cap(self) -> int:
+        """Most prompt tokens one request may compute in one step."""
+        if self.long_prefill_token_threshold:
+            return min(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """Smallest bucket >= ``num_tokens``. Raises ValueError when it exceeds the largest bucket."""
+        for bucket in self.num_batched_tokens_buckets:
+            if bucket >= num_tokens:
+                return bucket
+        raise ValueError(
+            f"{num_tokens} tokens exceed the largest bucket {self.num_batched_tokens_buckets[-1]}"
+        )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention backend runs and how it walks the cached KV.
+
+    Attributes:
+        backend: ``"segmented"`` (walks prior KV in ``kv_segment_size`` segments through the block
+            table, online softmax) or ``"reference"`` (gathers all KV and masks; obviously correct).
+        kv_segment_size: tokens per prior-KV segment; one of 512, 1024, 2048, 4096 and a multiple of
+            the block size (seed 000, "Kernel Interface").
+    """
+
+    backend: str = "segmented"
+    kv_segment_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("segmented", "reference"):
+            raise ValueError(f"attention_backend must be 'segmented' or 'reference', got {self.backend!r}")
+        if self.kv_segment_size not in SUPPORTED_KV_SEGMENT_SIZES:
+            raise ValueError(
+                f"kv_segment_size must be one of {SUPPORTED_KV_SEGMENT_SIZES}, got {self.kv_segment_size}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the model weights."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    def __post_init__(self) -> None:
+        if self.attention.kv_segment_size % self.cache.block_size:
+            raise ValueError(
+                f"kv_segment_size={self.attention.kv_segment_size} must be a multiple of "
+                f"block_size={self.cache.block_size}"
+            )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Columns of a block-table row: ``cdiv(max_model_len, block_size)``."""
+        return cdiv(self.scheduler.max_model_len, self.cache.block_size)
