@@ -1,0 +1,1 @@
+"""Per-step tensor work: model runner, input batch and sampler."""

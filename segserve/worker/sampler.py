@@ -1,0 +1,235 @@
+"""Token sampling for one engine step: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Randomness uses the exponential-race form of the Gumbel-max trick: with ``q_v ~ Exp(1)`` drawn
+independently per token, ``argmax_v p_v / q_v`` is distributed as ``p`` (the minimum of independent
+exponentials with rates ``p_v`` is attained at ``v`` with probability ``p_v``). vLLM samples the same
+way. A seeded row draws its ``q`` from a generator seeded by ``(seed, output_index)`` alone, so its
+token does not depend on the batch it sits in, its row, how the prompt was chunked, or preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from segserve.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns for a batch of N rows.
+
+    Attributes:
+        token_ids: the sampled token id of each row, length N.
+        logprobs: per row, the sampled token's ``(id, logprob)`` first, then the top
+            ``params.logprobs`` ``(id, logprob)`` pairs by descending logprob (natural log of the raw
+            softmax of the logits); an empty list for a row that did not ask; ``None`` when no row asked.
+    """
+
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def mix_seed(seed: int, output_index: int) -> int:
+    """Mix a request seed and an output index into one 64-bit generator seed.
+
+    Uses the splitmix64 finalizer (Steele, Lea, Flood, "Fast splittable pseudorandom number
+    generators", 2014) so that neighbouring (seed, index) pairs give unrelated streams.
+    """
+    x = ((seed & _MASK64) ^ ((output_index + 1) * _GOLDEN64)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int | None],
+    output_indices: list[int],
+    generator: torch.Generator | None = None,
+) -> SamplerOutput:
+    """Pick one token per row.
+
+    Args:
+        logits: (N, V) float32 logits; row i belongs to a request sampled with ``params[i]``.
+        params: N sampling parameters.
+        seeds: N per-request seeds; ``None`` rows draw from ``generator``.
+        output_indices: N counts of tokens the row's completion has generated so far.
+        generator: engine-wide generator for unseeded rows; ``None`` means torch's default.
+
+    Returns:
+        SamplerOutput with N token ids and, if any row asked, logprobs.
+
+    Raises:
+        ValueError: when the list lengths differ from N or logits is not 2-D.
+    """
+    n = _check_batch(logits, params, seeds, output_indices)
+    logits = logits.float()
+    if all(p.greedy for p in params):
+        token_ids = logits.argmax(dim=-1).tolist()  # (N,) -- no softmax, no sort
+    else:
+        token_ids = _sample_mixed(logits, params, seeds, output_indices, generator)
+    return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(logits, params, token_ids, n))
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: list[int], top_k: int
+) -> list[list[tuple[int, float]]]:
+    """Logprobs of given tokens plus each row's top-k, from the raw log-softmax of the logits.
+
+    Also used for prompt logprobs: pass the logits of prompt positions and the actual next tokens.
+
+    Args:
+        logits: (N, V) logits.
+        token_ids: N token ids, one per row.
+        top_k: how many top (id, logprob) pairs to add per row, >= 0.
+
+    Returns:
+        N lists: ``(token_ids[i], logprob)`` first, then ``top_k`` pairs by descending logprob.
+
+    Raises:
+        ValueError: when ``len(token_ids)`` differs from N or ``top_k`` is negative.
+    """
+    if logits.dim() != 2 or len(token_ids) != logits.shape[0]:
+        raise ValueError(f"need (N, V) logits and N token ids, got {tuple(logits.shape)}, {len(token_ids)}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)  # (N, 1)
+    chosen = logp.gather(1, ids).squeeze(1).tolist()  # (N,)
+    top_vals, top_ids = logp.topk(min(top_k, logp.shape[1]), dim=-1)  # (N, k), descending
+    rows: list[list[tuple[int, float]]] = []
+    for tok, lp, t_ids, t_vals in zip(token_ids, chosen, top_ids.tolist(), top_vals.tolist(), strict=True):
+        rows.append([(tok, lp), *zip(t_ids, t_vals, strict=True)])
+    return rows
+
+
+def _check_batch(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], output_indices: list[int]
+) -> int:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
+    n = logits.shape[0]
+    if not len(params) == len(seeds) == len(output_indices) == n:
+        raise ValueError(
+            f"{n} logit rows but {len(params)} params, {len(seeds)} seeds, {len(output_indices)} indices"
+        )
+    return n
+
+
+def _sample_mixed(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int | None],
+    output_indices: list[int],
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Greedy rows by argmax, the others by the exponential race on filtered probabilities."""
+    token_ids = logits.argmax(dim=-1).tolist()  # (N,) -- kept for the greedy rows
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    probs = _filtered_probs(logits[rows], [params[i] for i in rows])  # (R, V)
+    row_seeds = [seeds[i] for i in rows]
+    q = _exponential_noise(probs.shape, row_seeds, [output_indices[i] for i in rows], generator)  # (R, V)
+    drawn = (probs / q).argmax(dim=-1).tolist()  # (R,)
+    for i, tok in zip(rows, drawn, strict=True):
+        token_ids[i] = tok
+    return token_ids
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k on logits, softmax, then top-p and min-p on the probabilities.
+
+    Args:
+        logits: (R, V) logits of the sampled (non-greedy) rows.
+        params: R sampling parameters.
+
+    Returns:
+        (R, V) probabilities with filtered-out tokens at exactly 0 (not renormalized after top-p and
+        min-p; the exponential race does not need it).
+    """
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)  # (R, 1)
+    scaled = logits / temps  # (R, V)
+    vocab = scaled.shape[1]
+    _apply_top_k(scaled, [p.top_k if 0 < p.top_k < vocab else 0 for p in params])
+    probs = torch.softmax(scaled, dim=-1)  # (R, V)
+    _apply_top_p(probs, [p.top_p for p in params])
+    _apply_min_p(probs, [p.min_p for p in params])
+    return probs
+
+
+def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> None:
+    """In place: set logits below each row's k-th largest to -inf (ties at the k-th are kept)."""
+    rows = [i for i, k in enumerate(top_ks) if k > 0]
+    if not rows:
+        return
+    sub = scaled[rows]  # (Rk, V)
+    ks = torch.tensor([top_ks[i] for i in rows]).unsqueeze(1)  # (Rk, 1)
+    top_vals, _ = sub.topk(int(ks.max()), dim=-1)  # (Rk, kmax), descending
+    kth = top_vals.gather(1, ks - 1)  # (Rk, 1)
+    scaled[rows] = sub.masked_fill(sub < kth, float("-inf"))
+
+
+def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> None:
+    """In place: keep the smallest set of most likely tokens whose mass reaches top_p (at least one).
+
+    A token survives when the mass of the tokens sorted before it is below ``top_p`` (vLLM's rule);
+    only rows with ``top_p < 1`` are sorted.
+    """
+    rows = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if not rows:
+        return
+    sub = probs[rows]  # (Rp, V)
+    sorted_p, order = sub.sort(dim=-1, descending=True)  # (Rp, V)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (Rp, V)
+    limit = torch.tensor([top_ps[i] for i in rows], dtype=probs.dtype).unsqueeze(1)  # (Rp, 1)
+    sorted_p.masked_fill_(mass_before >= limit, 0.0)
+    probs[rows] = sub.scatter(1, order, sorted_p)
+
+
+def _apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> None:
+    """In place: zero tokens whose probability is below min_p times the row's top probability."""
+    rows = [i for i, m in enumerate(min_ps) if m > 0.0]
+    if not rows:
+        return
+    sub = probs[rows]  # (Rm, V)
+    scale = torch.tensor([min_ps[i] for i in rows], dtype=probs.dtype).unsqueeze(1)  # (Rm, 1)
+    threshold = sub.amax(dim=-1, keepdim=True) * scale  # (Rm, 1)
+    probs[rows] = sub.masked_fill(sub < threshold, 0.0)
+
+
+def _exponential_noise(
+    shape: torch.Size,
+    seeds: list[int | None],
+    output_indices: list[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """(R, V) Exp(1) noise: seeded rows from their own (seed, index) stream, others from ``generator``."""
+    q = torch.empty(shape)  # (R, V)
+    unseeded = [i for i, s in enumerate(seeds) if s is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), shape[1]).exponential_(generator=generator)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            row_gen = torch.Generator().manual_seed(mix_seed(seed, output_indices[i]))
+            q[i].exponential_(generator=row_gen)
+    # A zero draw would turn a filtered token's 0 / 0 into NaN, which argmax would pick.
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _row_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int], n: int
+) -> list[list[tuple[int, float]]] | None:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    top_k = max(params[i].logprobs or 0 for i in rows)
+    computed = compute_logprobs(logits[rows], [token_ids[i] for i in rows], top_k)
+    out: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    for i, row in zip(rows, computed, strict=True):
+        out[i] = row[: 1 + (params[i].logprobs or 0)]
+    return out
