@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from segserve.core.kv_cache_utils import BlockHash
 from segserve.sampling_params import SamplingParams
 
 
@@ -68,7 +69,7 @@ class Request:
         self.num_cached_tokens = 0
         self.first_scheduled = False
         self.status = RequestStatus.WAITING
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[BlockHash] = []
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
 

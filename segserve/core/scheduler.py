@@ -1,0 +1,375 @@
+"""The scheduler: which requests compute how many tokens in the next step.
+
+There is no prefill phase and no decode phase (vLLM v1's design): each request's
+``num_computed_tokens`` catches up with its tokens under one ``max_num_batched_tokens`` budget per
+step. A decode costs one token; a prompt is computed in chunks (seed 003, chunked prefill). With the
+default ``decode_first`` policy, running requests are served first (decodes, then continuing
+prefills) and waiting prompts top up the budget; ``prefill_first`` admits waiting prompts first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from segserve.config import EngineConfig, cdiv
+from segserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from segserve.core.request import Request, RequestStatus
+from segserve.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        req_id: request id.
+        new_token_ids: tokens sampled this step (empty for a partial prefill chunk).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+        stop_reason: the stop token id that ended the request, if any.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        logprobs, prompt_logprobs: as in ``ModelRunnerOutput``, for this request.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for logs and metrics (totals since start unless named otherwise)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager.
+
+    Args:
+        config: engine configuration (budget, limits, block size, prefix caching).
+        num_kv_blocks: blocks in the KV pool, including the null block.
+    """
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.config = config
+        self.sched = config.scheduler
+        self.block_size = config.cache.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_kv_blocks,
+            block_size=self.block_size,
+            max_model_len=self.sched.max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the model runner holds state for; the rest are sent in full.
+        self._in_runner: set[str] = set()
+        self._finished_since_last_step: set[str] = set()
+        # Tokens appended since the runner last saw each request (the last sampled token).
+        self._pending_tokens: dict[str, list[int]] = {}
+        self.stats = SchedulerStats()
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError when it can never fit (the engine state is unchanged)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        limit = self.sched.max_model_len - 1
+        if request.num_prompt_tokens > limit:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len={self.sched.max_model_len} "
+                f"allows at most {limit} (one slot is kept for the first output token)"
+            )
+        usable = (self.kv_cache_manager.num_blocks - 1) * self.block_size
+        if request.num_prompt_tokens + 1 > usable:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens but the KV cache holds at most {usable} "
+                f"tokens ({self.kv_cache_manager.num_blocks - 1} blocks of {self.block_size})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, or a stop string found by the detokenizer); frees their blocks.
+
+        Unknown or already finished ids are ignored. Returns the requests ended now.
+        """
+        assert status.is_finished
+        ended = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            ended.append(request)
+        return ended
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. Mutates request state (``num_computed_tokens`` advances now)."""
+        budget = _Budget(self.sched.max_num_batched_tokens)
+        preempted: list[Request] = []
+        scheduled: list[tuple[Request, int, KVCacheBlocks]] = []
+        if self.sched.policy == "prefill_first":
+            self._schedule_waiting(budget, scheduled)
+            self._schedule_running(budget, scheduled, preempted)
+        else:
+            self._schedule_running(budget, scheduled, preempted)
+            if not preempted:
+                self._schedule_waiting(budget, scheduled)
+        return self._make_output(scheduled, preempted)
+
+    def _schedule_running(self, budget: _Budget, scheduled: list, preempted: list[Request]) -> None:
+        already = {id(r) for r, _, _ in scheduled}
+        # Decodes first (one token each), then continuing prefills, each group in arrival order.
+        order = sorted(
+            (r for r in self.running if id(r) not in already),
+            key=lambda r: r.num_tokens - r.num_computed_tokens > 1,
+        )
+        for request in order:
+            if request.status != RequestStatus.RUNNING or budget.left == 0:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.sched.chunk_cap, budget.left)
+            new_blocks = self._allocate_or_preempt(request, num_new, budget, scheduled, preempted)
+            if new_blocks is None:
+                continue
+            scheduled.append((request, num_new, new_blocks))
+            budget.left -= num_new
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, budget: _Budget, scheduled: list, preempted: list[Request]
+    ) -> KVCacheBlocks | None:
+        """Allocate for a running request, preempting the newest running requests until it fits.
+
+        Returns None when the request itself had to be preempted (nothing newer was left to free).
+        """
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            for i, (r, n, _) in enumerate(scheduled):
+                if r is victim:  # already scheduled this step: give its tokens back
+                    del scheduled[i]
+                    budget.left += n
+                    break
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, budget: _Budget, scheduled: list) -> None:
+        num_partial = sum(1 for r, n, _ in scheduled if r.num_computed_tokens + n < r.num_tokens)
+        while self.waiting and budget.left > 0 and len(self.running) < self.sched.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            remaining = request.num_tokens - num_hit
+            num_new = min(remaining, self.sched.chunk_cap, budget.left)
+            if num_new < remaining and num_partial >= self.sched.max_num_partial_prefills:
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_hit, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            scheduled.append((request, num_new, KVCacheBlocks(hit_blocks.blocks + new_blocks.blocks)))
+            num_partial += num_new < remaining
+            budget.left -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it at the front of the waiting queue (recompute later)."""
+        self.running.remove(request)
+        self._free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self._pending_tokens.pop(request.request_id, None)
+        if request.request_id in self._in_runner:
+            self._in_runner.discard(request.request_id)
+            self._finished_since_last_step.add(request.request_id)
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+
+    def _make_output(self, scheduled: list, preempted: list[Request]) -> SchedulerOutput:
+        new_reqs, cached_reqs, num_tokens = [], [], {}
+        for request, num_new, blocks in scheduled:
+            rid = request.request_id
+            num_tokens[rid] = num_new
+            if rid in self._in_runner:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=rid,
+                        new_token_ids=tuple(self._pending_tokens.pop(rid, ())),
+                        new_block_ids=tuple(blocks.get_block_ids()),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=tuple(request.prompt_token_ids),
+                        output_token_ids=tuple(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=tuple(self.kv_cache_manager.get_block_ids(rid)),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+                self._pending_tokens.pop(rid, None)
+                self._in_runner.add(rid)
+            computed = request.num_computed_tokens
+            prompt_end = min(computed + num_new, request.num_prompt_tokens)
+            self.stats.num_prompt_tokens_computed += max(0, prompt_end - computed)
+            request.num_computed_tokens = computed + num_new
+        total = sum(num_tokens.values())
+        padded = self.sched.padded_num_tokens(total) if total else 0
+        num_padded = dict(num_tokens)
+        if scheduled:
+            # Padding rows sit after the last request's rows in the batch (cached reqs come first).
+            last = new_reqs[-1].req_id if new_reqs else cached_reqs[-1].req_id
+            num_padded[last] += padded - total
+        finished = frozenset(self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        self.stats.num_steps += 1
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_tokens,
+            num_scheduled_tokens_padded=num_padded,
+            total_num_scheduled_tokens=total,
+            total_num_scheduled_tokens_padded=padded,
+            preempted_req_ids=frozenset(r.request_id for r in preempted),
+            finished_req_ids=finished,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, cache newly full blocks, free finished requests.
+
+        Stop rules (in order): EOS (unless ``ignore_eos``) and ``stop_token_ids``, both only once
+        ``min_tokens`` were generated; ``max_tokens``; ``max_model_len``. Stop strings are applied by
+        the engine's detokenizer, which calls ``finish_requests``.
+        """
+        outputs = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            new_tokens = runner_output.sampled_token_ids.get(rid, [])
+            for token in new_tokens:
+                request.append_output_token(token)
+                self._pending_tokens.setdefault(rid, []).append(token)
+                if self._check_stop(request, token):
+                    break
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if new_tokens or request.is_finished:
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id=rid,
+                        new_token_ids=list(new_tokens),
+                        finish_reason=request.status.finish_reason,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                        logprobs=runner_output.logprobs.get(rid),
+                        prompt_logprobs=runner_output.prompt_logprobs.get(rid),
+                    )
+                )
+            elif rid in runner_output.prompt_logprobs:
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id=rid,
+                        new_token_ids=[],
+                        num_cached_tokens=request.num_cached_tokens,
+                        prompt_logprobs=runner_output.prompt_logprobs[rid],
+                    )
+                )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        # The runner masks EOS and stop ids for the first min_tokens tokens; this is the same rule.
+        may_stop = request.num_output_tokens > params.min_tokens
+        if may_stop and not params.ignore_eos and token == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif may_stop and token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+        elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        elif request.num_tokens >= self.sched.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return request.is_finished
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Assert queue, request and cache invariants (raises AssertionError)."""
+        self.kv_cache_manager.check_integrity()
+        running = {r.request_id for r in self.running}
+        waiting = {r.request_id for r in self.waiting}
+        assert not running & waiting, f"requests both running and waiting: {running & waiting}"
+        assert len(self.running) <= self.sched.max_num_seqs, "more running requests than max_num_seqs"
+        assert running | waiting == set(self.requests), "request table out of sync with the queues"
+        held = set(self.kv_cache_manager.req_to_blocks)
+        assert held <= running, f"blocks held by requests that are not running: {held - running}"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            blocks = self.kv_cache_manager.req_to_blocks.get(request.request_id, [])
+            assert len(blocks) * self.block_size >= request.num_computed_tokens, (
+                f"{request.request_id}: {len(blocks)} blocks, {request.num_computed_tokens} computed tokens"
+            )
+            assert len(blocks) <= cdiv(request.num_computed_tokens + 1, self.block_size) + cdiv(
+                self.sched.max_num_batched_tokens, self.block_size
+            )
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.num_computed_tokens == 0, f"waiting {request.request_id} has computed tokens"
+
+
+@dataclass
+class _Budget:
+    """Tokens left in this step's ``max_num_batched_tokens``."""
+
+    left: int
