@@ -91,14 +91,13 @@ class Scheduler:
         """Queue a request. Raises ValueError when it can never fit (the engine state is unchanged)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        limit = self.sched.max_model_len - 1
-        if request.num_prompt_tokens > limit:
+        if request.num_prompt_tokens > self.sched.max_model_len:
             raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens; max_model_len={self.sched.max_model_len} "
-                f"allows at most {limit} (one slot is kept for the first output token)"
+                f"prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len={self.sched.max_model_len}"
             )
         usable = (self.kv_cache_manager.num_blocks - 1) * self.block_size
-        if request.num_prompt_tokens + 1 > usable:
+        if request.num_prompt_tokens > usable:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens but the KV cache holds at most {usable} "
                 f"tokens ({self.kv_cache_manager.num_blocks - 1} blocks of {self.block_size})"

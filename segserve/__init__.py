@@ -1,0 +1,25 @@
+"""segserve: an LLM inference engine built around prefill processing.
+
+``LLM``, ``LLMEngine`` and the outputs load torch, so they are imported lazily: ``segserve.core``
+(scheduler, KV cache manager) stays importable without torch.
+"""
+
+from segserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+_LAZY = {
+    "LLM": "segserve.engine.llm",
+    "LLMEngine": "segserve.engine.llm_engine",
+    "RequestOutput": "segserve.outputs",
+    "CompletionOutput": "segserve.outputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'segserve' has no attribute {name!r}")
