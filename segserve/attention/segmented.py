@@ -1,0 +1,358 @@
+"""Segmented attention over a paged KV cache (seed 000, "Kernel Interface", "Partial KV Segment Handling").
+
+Each request's queries attend to its ``prior_tokens`` cached tokens, walked through its block table in
+segments of ``kv_segment_size`` tokens, plus causally to the step's own active tokens. Each piece yields
+a normalised partial output and its log-sum-exp; pieces combine by log-sum-exp rescaling, the split-KV
+form of the online softmax (Dao et al., FlashAttention, 2022; "Flash-Decoding", 2023).
+
+Beyond the seed's temporary constraints: any query length, any prior length (the last segment may end
+mid-block), one prior per request, any block size dividing the segment size.
+
+Two paths:
+
+* chunks (query length > 1): few per step, looped over in Python. GQA costs no K/V repeat: the query
+  heads of a KV head are folded into the query length (``[Hkv, G * Tq, D]``), which only holds where no
+  causal mask depends on the query position, i.e. for the prior segments. A partial last segment is
+  masked by gathering only its valid tokens.
+* decodes (query length 1): many per step, batched. Sorted by prior length (longest first), segment
+  ``s`` is computed for the prefix of decodes whose prior reaches into it, so short priors do not pay for
+  the longest; an additive mask hides the slots past each prior in a partial segment.
+
+On CPU the per-piece attention is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns
+(output, logsumexp) and accumulates in float32 for bfloat16 inputs; elsewhere a float32 matmul path.
+Partial outputs are combined in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from segserve.attention.kv_store import write_kv
+from segserve.attention.metadata import AttentionMetadata
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+# Upper bound on tokens gathered by one batched decode call: bounds the workspace (about 25 MB per K
+# or V in float32 for 3 KV heads of dim 64) while keeping each call large enough to amortise overhead.
+MAX_DECODE_GATHER_TOKENS = 32768
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of each query's scores.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``.
+        k, v: ``[B, Hk, Lk, D]`` (any strides), ``Hq`` a multiple of ``Hk``; query head ``h`` reads KV
+            head ``h // (Hq // Hk)``.
+        scale: multiplies ``q @ k^T``.
+        causal: query ``i`` sees keys ``j <= i`` (top-left aligned; used with ``Lq == Lk``).
+        mask: additive ``[B, 1, 1, Lk]`` (0 or -inf) in q's dtype, or None. Every query must see at
+            least one key.
+
+    Returns:
+        (output ``[B, Hq, Lq, D]`` in q's dtype on CPU, float32 elsewhere; lse ``[B, Hq, Lq]`` float32).
+    """
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        out, lse = _CPU_FLASH(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
+        return out, lse.float()
+    return attention_with_lse_math(q, k, v, scale, causal, mask)
+
+
+def attention_with_lse_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`attention_with_lse`, in plain float32 matmuls (any device)."""
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    qf = q.float().reshape(b, hk, (hq // hk) * lq, d)  # (B, Hk, G*Lq, D): query group folded
+    scores = torch.matmul(qf, k.float().transpose(-1, -2)) * scale  # (B, Hk, G*Lq, Lk)
+    if mask is not None:
+        scores = scores + mask.float()
+    if causal:
+        q_pos = torch.arange(qf.shape[2], device=q.device) % lq
+        hidden = torch.arange(lk, device=q.device)[None, :] > q_pos[:, None]  # (G*Lq, Lk)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hk, G*Lq)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())  # (B, Hk, G*Lq, D)
+    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+def merge_partials(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold one partial result into a running one, in place (log-sum-exp rescaling).
+
+    With ``L = logaddexp(acc_lse, lse)``: ``acc_o = acc_o * exp(acc_lse - L) + o * exp(lse - L)``, which
+    is softmax attention over the union of both key sets (FlashAttention's online softmax, applied to
+    normalised partials as in split-KV decoding).
+
+    Args:
+        acc_o: ``[..., L, D]`` float32, updated in place (may be a view).
+        acc_lse: ``[..., L]`` float32, updated in place; must be finite.
+        o: ``[..., L, D]`` any float dtype; lse: ``[..., L]`` float32.
+    """
+    total = torch.logaddexp(acc_lse, lse)
+    acc_o.mul_((acc_lse - total).exp_().unsqueeze(-1))
+    acc_o.add_(o.float() * (lse - total).exp_().unsqueeze(-1))
+    acc_lse.copy_(total)
+
+
+@dataclass(frozen=True)
+class _DecodeCall:
+    """One batched gather + attention: sorted decodes ``[first, last)`` over one prior segment.
+
+    ``block_ids`` ``[(last - first) * blocks]`` are the blocks to gather, request-major; ``mask`` is the
+    additive ``[last - first, 1, 1, blocks * block_size]`` mask, None when every slot is valid.
+    """
+
+    first: int
+    last: int
+    blocks: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """What a step's metadata implies for every layer: built once, reused by all layers."""
+
+    decode_rows: torch.Tensor  # (n_decodes,) int64 batch rows, longest prior first
+    decode_calls: tuple[_DecodeCall, ...]
+    chunks: tuple[int, ...]  # requests with query length > 1
+
+
+class SegmentedAttentionBackend:
+    """The product kernel: segment-wise attention over the paged cache, LSE-combined.
+
+    Holds a per-step plan (keyed on the metadata object) and a gather workspace, so an instance serves
+    one model (one thread) at a time.
+    """
+
+    name = "segmented"
+
+    def __init__(self, max_decode_gather_tokens: int = MAX_DECODE_GATHER_TOKENS) -> None:
+        self.max_decode_gather_tokens = max_decode_gather_tokens
+        self._plan_key: tuple | None = None
+        self._plan: _StepPlan | None = None
+        self._workspace: torch.Tensor | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write the step's K/V to the cache, then attend each request to its prior segments + itself.
+
+        Args:
+            q: ``[T_padded, Hq, D]`` queries of the step's active tokens (RoPE applied).
+            k, v: ``[T_padded, Hkv, D]``; ``Hq`` is a multiple of ``Hkv``.
+            kv_cache: ``[2, num_blocks, block_size, Hkv, D]``, written in place at ``slot_mapping``.
+            metadata: the step's attention metadata (``kv_segment_size`` a multiple of ``block_size``).
+            scale: softmax scale (usually ``D ** -0.5``).
+
+        Returns:
+            ``[T_padded, Hq, D]`` in q's dtype; padding rows are zeros.
+
+        Raises:
+            ValueError: when ``kv_segment_size`` is not a positive multiple of the cache's block size.
+        """
+        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        plan = self._step_plan(metadata, kv_cache)
+        out = torch.zeros_like(q)
+        cdtype = kv_cache.dtype
+        q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
+        if plan.decode_rows.numel():
+            self._decodes(q, k, v, kv_cache, plan, scale, out)
+        qsl, seg = metadata.query_start_loc_cpu, metadata.kv_segment_size
+        for i in plan.chunks:
+            r0, r1 = qsl[i], qsl[i + 1]
+            row = metadata.block_table[i]
+            chunk = self._chunk(
+                q[r0:r1], k[r0:r1], v[r0:r1], kv_cache, row, metadata.prior_tokens_cpu[i], seg, scale
+            )
+            out[r0:r1] = chunk
+        return out
+
+    # --- chunks (query length > 1) -------------------------------------------------------------------
+
+    def _chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_row: torch.Tensor,
+        prior: int,
+        seg: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One request: q ``[Tq, Hq, D]``, k/v ``[Tq, Hkv, D]`` -> ``[Tq, Hq, D]`` float32."""
+        tq, hq, d = q.shape
+        hkv = k.shape[1]
+        qh = q.transpose(0, 1).contiguous().unsqueeze(0)  # (1, Hq, Tq, D)
+        o, lse = attention_with_lse(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, causal=True)
+        # (1, Hq, Tq, ...) with Hq = (Hkv, G) is the folded (1, Hkv, G*Tq, ...) layout as it stands.
+        acc_o = o.float().reshape(1, hkv, -1, d)  # (1, Hkv, G*Tq, D)
+        acc_lse = lse.reshape(1, hkv, -1)  # (1, Hkv, G*Tq)
+        q_folded = qh.view(1, hkv, -1, d)  # (1, Hkv, G*Tq, D)
+        for start in range(0, prior, seg):
+            ks, vs = self._gather_segment(kv_cache, block_row, start, min(seg, prior - start))
+            o, lse = attention_with_lse(q_folded, ks, vs, scale)
+            merge_partials(acc_o, acc_lse, o, lse)
+        return acc_o.view(hq, tq, d).transpose(0, 1)
+
+    def _gather_segment(
+        self, kv_cache: torch.Tensor, block_row: torch.Tensor, start: int, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Valid tokens ``[start, start + num_tokens)`` of one request as K, V ``[1, Hkv, n, D]`` views."""
+        block_size, hkv, d = kv_cache.shape[2:]
+        first = start // block_size
+        ids = block_row[first : first - (-num_tokens // block_size)]
+        kbuf, vbuf = self._buffers(ids.shape[0], kv_cache)
+        torch.index_select(kv_cache[0], 0, ids, out=kbuf)
+        torch.index_select(kv_cache[1], 0, ids, out=vbuf)
+        ks = kbuf.view(-1, hkv, d)[:num_tokens].transpose(0, 1)[None]  # (1, Hkv, n, D)
+        vs = vbuf.view(-1, hkv, d)[:num_tokens].transpose(0, 1)[None]  # (1, Hkv, n, D)
+        return ks, vs
+
+    def _buffers(self, num_blocks: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather buffers ``[num_blocks, block_size, Hkv, D]``, reused across calls.
+
+        Reuse matters on CPU: a fresh multi-megabyte tensor per segment costs page faults that take
+        longer than the gather itself.
+        """
+        block_shape = kv_cache.shape[2:]
+        numel = num_blocks * block_shape.numel()
+        ws = self._workspace
+        if ws is None or ws.numel() < 2 * numel or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
+            ws = torch.empty(2 * numel, dtype=kv_cache.dtype, device=kv_cache.device)
+            self._workspace = ws
+        return ws[:numel].view(num_blocks, *block_shape), ws[numel : 2 * numel].view(num_blocks, *block_shape)
+
+    # --- decodes (query length 1) --------------------------------------------------------------------
+
+    def _decodes(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: _StepPlan,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """All decodes of the step at once; writes their rows of ``out`` ``[T_padded, Hq, D]``."""
+        rows = plan.decode_rows
+        n, hq, d = rows.shape[0], q.shape[1], q.shape[2]
+        hkv = k.shape[1]
+        qd = q.index_select(0, rows).view(n, hkv, hq // hkv, d)  # (n, Hkv, G, D): group as query length
+        k_self = k.index_select(0, rows).float().unsqueeze(2)  # (n, Hkv, 1, D)
+        v_self = v.index_select(0, rows).float().unsqueeze(2)  # (n, Hkv, 1, D)
+        # The decode's own token is a one-key softmax: output v, log-sum-exp its score.
+        acc_lse = (qd.float() * k_self).sum(-1) * scale  # (n, Hkv, G)
+        acc_o = v_self.expand(n, hkv, hq // hkv, d).contiguous()  # (n, Hkv, G, D)
+        for call in plan.decode_calls:
+            ks, vs = self._gather_decode_call(kv_cache, call)
+            o, lse = attention_with_lse(qd[call.first : call.last], ks, vs, scale, mask=call.mask)
+            merge_partials(acc_o[call.first : call.last], acc_lse[call.first : call.last], o, lse)
+        out.index_copy_(0, rows, acc_o.view(n, hq, d).to(out.dtype))
+
+    def _gather_decode_call(
+        self, kv_cache: torch.Tensor, call: _DecodeCall
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one decode call as ``[n_call, Hkv, blocks * block_size, D]`` views of the workspace."""
+        hkv, d = kv_cache.shape[3:]
+        kbuf, vbuf = self._buffers(call.block_ids.shape[0], kv_cache)
+        torch.index_select(kv_cache[0], 0, call.block_ids, out=kbuf)
+        torch.index_select(kv_cache[1], 0, call.block_ids, out=vbuf)
+        n_call = call.last - call.first
+        ks = kbuf.view(n_call, -1, hkv, d).transpose(1, 2)  # (n_call, Hkv, L, D)
+        vs = vbuf.view(n_call, -1, hkv, d).transpose(1, 2)  # (n_call, Hkv, L, D)
+        return ks, vs
+
+    # --- per-step plan -------------------------------------------------------------------------------
+
+    def _step_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
+        """The plan for this step, built on the first layer and reused by the others."""
+        # The key holds the metadata object itself, so its id cannot be recycled while cached.
+        key = (metadata, kv_cache.dtype, kv_cache.device, kv_cache.shape[2])
+        if self._plan_key is None or self._plan_key[0] is not metadata or self._plan_key[1:] != key[1:]:
+            self._plan = build_step_plan(
+                metadata, kv_cache.shape[2], kv_cache.dtype, self.max_decode_gather_tokens
+            )
+            self._plan_key = key
+        return self._plan
+
+
+def build_step_plan(
+    metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, max_gather_tokens: int
+) -> _StepPlan:
+    """Split the step's requests into batched decodes and looped chunks; plan the decode gathers.
+
+    Raises:
+        ValueError: when ``kv_segment_size`` is not a positive multiple of ``block_size``.
+    """
+    seg = metadata.kv_segment_size
+    if seg < block_size or seg % block_size:
+        raise ValueError(f"kv_segment_size={seg} must be a positive multiple of block_size={block_size}")
+    qlens, priors = metadata.query_lens_cpu, metadata.prior_tokens_cpu
+    decodes = sorted((i for i, n in enumerate(qlens) if n == 1), key=lambda i: -priors[i])
+    device = metadata.block_table.device
+    rows = torch.tensor([metadata.query_start_loc_cpu[i] for i in decodes], dtype=torch.long, device=device)
+    calls: list[_DecodeCall] = []
+    if decodes:
+        table = metadata.block_table.index_select(0, torch.tensor(decodes, dtype=torch.long, device=device))
+        dec_priors = [priors[i] for i in decodes]
+        for start in range(0, dec_priors[0], seg):
+            calls += _segment_calls(table, dec_priors, start, seg, block_size, dtype, max_gather_tokens)
+    chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
+    return _StepPlan(decode_rows=rows, decode_calls=tuple(calls), chunks=chunks)
+
+
+def _segment_calls(
+    table: torch.Tensor,
+    priors: list[int],
+    start: int,
+    seg: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_gather_tokens: int,
+) -> list[_DecodeCall]:
+    """Decode calls for the segment at token ``start``; ``priors`` sorted longest first, ``table`` alike."""
+    valid = [min(seg, p - start) for p in priors if p > start]  # a prefix, as priors are sorted
+    blocks = -(-valid[0] // block_size)
+    width = blocks * block_size
+    per_call = max(1, max_gather_tokens // width)
+    calls = []
+    for first in range(0, len(valid), per_call):
+        last = min(first + per_call, len(valid))
+        ids = table[first:last, start // block_size : start // block_size + blocks].reshape(-1)
+        calls.append(
+            _DecodeCall(first, last, blocks, ids, _tail_mask(valid[first:last], width, dtype, table.device))
+        )
+    return calls
+
+
+def _tail_mask(valid: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Additive ``[n, 1, 1, width]`` mask hiding slots ``>= valid[r]`` of row r; None when all are valid."""
+    if all(n == width for n in valid):
+        return None
+    hidden = torch.arange(width, device=device)[None, :] >= torch.tensor(valid, device=device)[:, None]
+    mask = torch.zeros(len(valid), 1, 1, width, dtype=dtype, device=device)
+    return mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
