@@ -17,6 +17,8 @@ from segserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
+# Top-p looks for the nucleus among this many most likely tokens before sorting the vocabulary.
+TOP_P_CANDIDATES = 512
 
 
 @dataclass
@@ -177,18 +179,30 @@ def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> None:
 def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> None:
     """In place: keep the smallest set of most likely tokens whose mass reaches top_p (at least one).
 
-    A token survives when the mass of the tokens sorted before it is below ``top_p`` (vLLM's rule);
-    only rows with ``top_p < 1`` are sorted.
+    A token survives when the mass of the tokens sorted before it is below ``top_p`` (vLLM's rule).
+    Only rows with ``top_p < 1`` are touched. A full-vocabulary sort costs ~28 ms for 16 x 49,152
+    rows on 2 cores, so the nucleus is first looked for among the top ``TOP_P_CANDIDATES`` tokens
+    (same cumulative sums, so the same result); rows whose nucleus is larger fall back to the sort.
     """
     rows = [i for i, p in enumerate(top_ps) if p < 1.0]
     if not rows:
         return
     sub = probs[rows]  # (Rp, V)
-    sorted_p, order = sub.sort(dim=-1, descending=True)  # (Rp, V)
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (Rp, V)
     limit = torch.tensor([top_ps[i] for i in rows], dtype=probs.dtype).unsqueeze(1)  # (Rp, 1)
-    sorted_p.masked_fill_(mass_before >= limit, 0.0)
-    probs[rows] = sub.scatter(1, order, sorted_p)
+    top_vals, top_ids = sub.topk(min(TOP_P_CANDIDATES, sub.shape[1]), dim=-1)  # (Rp, K), descending
+    mass = top_vals.cumsum(dim=-1)  # (Rp, K)
+    kept = torch.zeros_like(sub).scatter_(1, top_ids, top_vals.masked_fill(mass - top_vals >= limit, 0.0))
+    uncovered = (mass[:, -1:] < limit).squeeze(1).nonzero().squeeze(1).tolist()
+    if uncovered:
+        kept[uncovered] = _top_p_by_sort(sub[uncovered], limit[uncovered])
+    probs[rows] = kept
+
+
+def _top_p_by_sort(probs: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """(R, V) probabilities with tokens outside each row's nucleus zeroed; ``limit`` is (R, 1)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # (R, V)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (R, V)
+    return probs.scatter(1, order, sorted_p.masked_fill(mass_before >= limit, 0.0))
 
 
 def _apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> None:
@@ -208,17 +222,19 @@ def _exponential_noise(
     output_indices: list[int],
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """(R, V) Exp(1) noise: seeded rows from their own (seed, index) stream, others from ``generator``."""
-    q = torch.empty(shape)  # (R, V)
+    """(R, V) Exp(1) noise: seeded rows from their own (seed, index) stream, others from ``generator``.
+
+    Drawn as ``-log(U)``: ``Tensor.exponential_`` is ~7x slower than ``uniform_`` plus a log on CPU.
+    """
+    u = torch.empty(shape)  # (R, V)
     unseeded = [i for i, s in enumerate(seeds) if s is None]
     if unseeded:
-        q[unseeded] = torch.empty(len(unseeded), shape[1]).exponential_(generator=generator)
+        u[unseeded] = torch.empty(len(unseeded), shape[1]).uniform_(generator=generator)
     for i, seed in enumerate(seeds):
         if seed is not None:
-            row_gen = torch.Generator().manual_seed(mix_seed(seed, output_indices[i]))
-            q[i].exponential_(generator=row_gen)
-    # A zero draw would turn a filtered token's 0 / 0 into NaN, which argmax would pick.
-    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+            u[i].uniform_(generator=torch.Generator().manual_seed(mix_seed(seed, output_indices[i])))
+    # uniform_ can return 0: clamping keeps q finite; q > 0 always, so filtered tokens stay at 0 / q = 0.
+    return u.clamp_min_(torch.finfo(u.dtype).tiny).log_().neg_()
 
 
 def _row_logprobs(

