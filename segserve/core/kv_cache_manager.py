@@ -77,9 +77,11 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks.
 
         The hit is capped at ``num_tokens - 1`` tokens so the last token is recomputed (its logits are
-        needed). Returns (hit blocks, hit tokens); the tokens are a multiple of ``block_size``.
+        needed). A request that wants prompt logprobs gets no hit (as in vLLM): the logits of cached
+        positions are never computed. Returns (hit blocks, hit tokens), tokens a multiple of
+        ``block_size``.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return KVCacheBlocks(), 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

