@@ -1,4 +1,4 @@
-"""Helpers for the model tests: an attention backend, a paged-cache prompt runner, tiny checkpoints.
+"""Helpers for the model tests: a paged-cache prompt runner, tiny checkpoints in both formats.
 
 Imported by ``tests/unit/test_loader.py`` and ``tests/e2e/test_model_parity.py`` (which put this
 directory on ``sys.path``; ``conftest.py`` belongs to another module).
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from segserve.attention.metadata import AttentionMetadata, build_attention_metadata
+from segserve.attention.metadata import build_attention_metadata
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -26,46 +26,6 @@ _TRAIN_TEXT = (
 )
 
 
-class GatherMaskBackend:
-    """Stand-in attention backend: write K/V through the slot mapping, then for each request gather
-    its whole prefix by block table and run masked SDPA (float32). Slow and obviously right."""
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata, scale: float,
-    ) -> torch.Tensor:
-        _, num_blocks, bs, hkv, d = kv_cache.shape
-        flat = kv_cache.view(2, num_blocks * bs, hkv, d)  # (2, slots, Hkv, D)
-        n = metadata.num_actual_tokens
-        flat[0, metadata.slot_mapping] = k[:n].to(kv_cache.dtype)
-        flat[1, metadata.slot_mapping] = v[:n].to(kv_cache.dtype)
-        out = torch.zeros_like(q)
-        qsl = metadata.query_start_loc_cpu
-        for i, prior in enumerate(metadata.prior_tokens_cpu):
-            r0, r1 = qsl[i], qsl[i + 1]
-            total = prior + r1 - r0
-            pos = torch.arange(total)
-            slots = metadata.block_table[i].long()[pos // bs] * bs + pos % bs  # (S,)
-            keys = flat[0, slots].float().transpose(0, 1)  # (Hkv, S, D)
-            vals = flat[1, slots].float().transpose(0, 1)  # (Hkv, S, D)
-            visible = pos[None, :] <= torch.arange(prior, total)[:, None]  # (Tq, S)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[r0:r1].float().transpose(0, 1), keys, vals, attn_mask=visible, scale=scale,
-                enable_gqa=True,
-            )  # (Hq, Tq, D)
-            out[r0:r1] = o.transpose(0, 1).to(q.dtype)
-        return out
-
-
-def attention_backend() -> Any:
-    """The project's reference backend when it exists, else the stand-in above."""
-    try:
-        from segserve.attention.backends import get_attention_backend
-    except ImportError:
-        return GatherMaskBackend()
-    return get_attention_backend("reference")
-
-
 def new_caches(model: Any, num_blocks: int, block_size: int) -> list[torch.Tensor]:
     """One zeroed ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, in the model's dtype."""
     cfg = model.config
@@ -76,9 +36,12 @@ def new_caches(model: Any, num_blocks: int, block_size: int) -> list[torch.Tenso
 
 @torch.inference_mode()
 def run_chunked(model: Any, token_ids: list[int], chunk_lens: list[int], block_size: int = 4,
-                seed: int = 0) -> torch.Tensor:
+                kv_segment_size: int = 512, seed: int = 0) -> torch.Tensor:
     """Feed one prompt through ``model`` in chunks of ``chunk_lens`` tokens over a paged cache whose
-    block ids are shuffled; return ``(len(token_ids), vocab)`` float32 logits of every position."""
+    block ids are shuffled; return ``(len(token_ids), vocab)`` float32 logits of every position.
+
+    ``kv_segment_size`` need only be a multiple of ``block_size`` here (the backend's rule), so tiny
+    models can walk several segments."""
     assert sum(chunk_lens) == len(token_ids)
     num_needed = -(-len(token_ids) // block_size)
     block_ids = list(range(1, num_needed + 1))
@@ -86,7 +49,7 @@ def run_chunked(model: Any, token_ids: list[int], chunk_lens: list[int], block_s
     caches = new_caches(model, num_needed + 2, block_size)
     logits, start = [], 0
     for q in chunk_lens:
-        md = build_attention_metadata([q], [start], [block_ids], block_size, len(block_ids), 512)
+        md = build_attention_metadata([q], [start], [block_ids], block_size, len(block_ids), kv_segment_size)
         ids = torch.tensor(token_ids[start : start + q])
         hidden = model(ids, torch.arange(start, start + q), caches, md)
         logits.append(model.compute_logits(hidden))

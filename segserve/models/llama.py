@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from segserve.attention.backends import AttentionBackend
 from segserve.attention.metadata import AttentionMetadata
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -196,20 +197,6 @@ def kv_cache_bytes_per_token(config: LlamaConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
-class AttentionBackend(Protocol):
-    """What a layer needs from ``segserve.attention``: write K/V of the real rows, then attend."""
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """Inverse frequencies ``theta ** (-2i / D)``, ``(D/2,)`` float32, with Llama 3.1 scaling if set.
 
@@ -332,8 +319,8 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: the checkpoint's shape.
-        attn_backend: object with ``forward(q, k, v, kv_cache, metadata, scale)`` (see
-            ``AttentionBackend``); shared by all layers.
+        attn_backend: a ``segserve.attention.backends.AttentionBackend`` (writes K/V of the real
+            rows into the layer's cache, then attends); shared by all layers.
     """
 
     def __init__(self, config: LlamaConfig, attn_backend: AttentionBackend) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from segserve.models.llama import AttentionBackend, LlamaConfig, LlamaForCausalLM
+from segserve.attention.backends import AttentionBackend, get_attention_backend
+from segserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -89,7 +90,7 @@ def default_model_path() -> Path:
 def load_model(
     model: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
-    attn_backend: AttentionBackend | str = "reference",
+    attn_backend: AttentionBackend | str = "segmented",
 ) -> LoadedModel:
     """Load weights, config, tokenizer and chat template.
 
@@ -105,8 +106,6 @@ def load_model(
     """
     path = default_model_path() if model is None else Path(model)
     if isinstance(attn_backend, str):
-        from segserve.attention.backends import get_attention_backend
-
         attn_backend = get_attention_backend(attn_backend)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, dtype, attn_backend)
