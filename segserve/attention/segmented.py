@@ -14,9 +14,11 @@ Two paths:
   heads of a KV head are folded into the query length (``[Hkv, G * Tq, D]``), which only holds where no
   causal mask depends on the query position, i.e. for the prior segments. A partial last segment is
   masked by gathering only its valid tokens.
-* decodes (query length 1): many per step, batched. Sorted by prior length (longest first), segment
-  ``s`` is computed for the prefix of decodes whose prior reaches into it, so short priors do not pay for
-  the longest; an additive mask hides the slots past each prior in a partial segment.
+* decodes (query length 1): many per step, batched. A decode's own K/V is in the cache once written,
+  so it walks ``prior + 1`` cached tokens and has no separate causal part. Sorted by that length
+  (longest first), segment ``s`` is computed for the prefix of decodes that reach into it, so short
+  requests do not pay for the longest; an additive mask hides the slots past each one's end in a
+  partial segment. A batch of decodes that fits in one segment is one gather and one attention call.
 
 On CPU the per-piece attention is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns
 (output, logsumexp) and accumulates in float32 for bfloat16 inputs; elsewhere a float32 matmul path.
@@ -111,12 +113,13 @@ def merge_partials(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, 
 
 @dataclass(frozen=True)
 class _DecodeCall:
-    """One batched gather + attention: sorted decodes ``[first, last)`` over one prior segment.
+    """One batched gather + attention: sorted decodes ``[first, last)`` over the segment at ``start``.
 
     ``block_ids`` ``[(last - first) * blocks]`` are the blocks to gather, request-major; ``mask`` is the
     additive ``[last - first, 1, 1, blocks * block_size]`` mask, None when every slot is valid.
     """
 
+    start: int
     first: int
     last: int
     blocks: int
@@ -178,7 +181,7 @@ class SegmentedAttentionBackend:
         cdtype = kv_cache.dtype
         q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
         if plan.decode_rows.numel():
-            self._decodes(q, k, v, kv_cache, plan, scale, out)
+            self._decodes(q, kv_cache, plan, scale, out)
         qsl, seg = metadata.query_start_loc_cpu, metadata.kv_segment_size
         for i in plan.chunks:
             r0, r1 = qsl[i], qsl[i + 1]
@@ -250,28 +253,39 @@ class SegmentedAttentionBackend:
     def _decodes(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: _StepPlan,
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """All decodes of the step at once; writes their rows of ``out`` ``[T_padded, Hq, D]``."""
-        rows = plan.decode_rows
+        """All decodes of the step at once; writes their rows of ``out`` ``[T_padded, Hq, D]``.
+
+        A decode's own K/V is already in the cache (slot ``prior``), so its causal part is just one
+        more cached token: the walk covers ``prior + 1`` tokens and needs no separate self-attention.
+        """
+        rows, hkv, calls = plan.decode_rows, kv_cache.shape[3], plan.decode_calls
         n, hq, d = rows.shape[0], q.shape[1], q.shape[2]
-        hkv = k.shape[1]
         qd = q.index_select(0, rows).view(n, hkv, hq // hkv, d)  # (n, Hkv, G, D): group as query length
-        k_self = k.index_select(0, rows).float().unsqueeze(2)  # (n, Hkv, 1, D)
-        v_self = v.index_select(0, rows).float().unsqueeze(2)  # (n, Hkv, 1, D)
-        # The decode's own token is a one-key softmax: output v, log-sum-exp its score.
-        acc_lse = (qd.float() * k_self).sum(-1) * scale  # (n, Hkv, G)
-        acc_o = v_self.expand(n, hkv, hq // hkv, d).contiguous()  # (n, Hkv, G, D)
-        for call in plan.decode_calls:
-            ks, vs = self._gather_decode_call(kv_cache, call)
-            o, lse = attention_with_lse(qd[call.first : call.last], ks, vs, scale, mask=call.mask)
-            merge_partials(acc_o[call.first : call.last], acc_lse[call.first : call.last], o, lse)
-        out.index_copy_(0, rows, acc_o.view(n, hq, d).to(out.dtype))
+        if len(calls) == 1:  # one segment, one gather: nothing to combine
+            result, _ = self._decode_call(qd, kv_cache, calls[0], scale)
+        else:
+            result = torch.empty(n, hkv, hq // hkv, d, dtype=torch.float32, device=q.device)
+            acc_lse = torch.empty(n, hkv, hq // hkv, dtype=torch.float32, device=q.device)
+            for call in calls:
+                o, lse = self._decode_call(qd, kv_cache, call, scale)
+                part = slice(call.first, call.last)
+                if call.start == 0:  # the first segment covers every decode: it opens the walk
+                    result[part], acc_lse[part] = o, lse
+                else:
+                    merge_partials(result[part], acc_lse[part], o, lse)
+        out.index_copy_(0, rows, result.reshape(n, hq, d).to(out.dtype))
+
+    def _decode_call(
+        self, qd: torch.Tensor, kv_cache: torch.Tensor, call: _DecodeCall, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial (output ``[n_call, Hkv, G, D]``, lse ``[n_call, Hkv, G]``) of one decode call."""
+        ks, vs = self._gather_decode_call(kv_cache, call)
+        return attention_with_lse(qd[call.first : call.last], ks, vs, scale, mask=call.mask)
 
     def _gather_decode_call(
         self, kv_cache: torch.Tensor, call: _DecodeCall
@@ -318,24 +332,25 @@ def build_step_plan(
     calls: list[_DecodeCall] = []
     if decodes:
         table = metadata.block_table.index_select(0, torch.tensor(decodes, dtype=torch.long, device=device))
-        dec_priors = [priors[i] for i in decodes]
-        for start in range(0, dec_priors[0], seg):
-            calls += _segment_calls(table, dec_priors, start, seg, block_size, dtype, max_gather_tokens)
+        walk = [priors[i] + 1 for i in decodes]  # a decode's own token is already cached: walk it too
+        for start in range(0, walk[0], seg):
+            calls += _segment_calls(table, walk, start, seg, block_size, dtype, max_gather_tokens)
     chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
     return _StepPlan(decode_rows=rows, decode_calls=tuple(calls), chunks=chunks)
 
 
 def _segment_calls(
     table: torch.Tensor,
-    priors: list[int],
+    lengths: list[int],
     start: int,
     seg: int,
     block_size: int,
     dtype: torch.dtype,
     max_gather_tokens: int,
 ) -> list[_DecodeCall]:
-    """Decode calls for the segment at token ``start``; ``priors`` sorted longest first, ``table`` alike."""
-    valid = [min(seg, p - start) for p in priors if p > start]  # a prefix, as priors are sorted
+    """Decode calls for the segment at token ``start``; ``lengths`` (cached tokens to walk per decode)
+    sorted longest first, ``table`` rows alike."""
+    valid = [min(seg, n - start) for n in lengths if n > start]  # a prefix, as priors are sorted
     blocks = -(-valid[0] // block_size)
     width = blocks * block_size
     per_call = max(1, max_gather_tokens // width)
@@ -344,7 +359,9 @@ def _segment_calls(
         last = min(first + per_call, len(valid))
         ids = table[first:last, start // block_size : start // block_size + blocks].reshape(-1)
         calls.append(
-            _DecodeCall(first, last, blocks, ids, _tail_mask(valid[first:last], width, dtype, table.device))
+            _DecodeCall(
+                start, first, last, blocks, ids, _tail_mask(valid[first:last], width, dtype, table.device)
+            )
         )
     return calls
 

@@ -1,0 +1,256 @@
+"""Segmented kernel == reference backend == plain SDPA on contiguous K/V, over random shapes and layouts.
+
+Tolerances: float32 outputs agree within atol = rtol = 1e-5 (observed ~1e-6). bfloat16 outputs agree
+with a float32 oracle on the same bf16-rounded inputs within atol 2e-2 (bf16 has 8 mantissa bits: the
+final rounding alone is up to 2^-9 relative, and each segment's partial output is rounded once more
+before the float32 combine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import Case, make_case, sdpa_oracle
+
+from segserve.attention import segmented
+from segserve.attention.backends import get_attention_backend
+from segserve.attention.kv_store import gather_kv, num_kv_segments, write_kv
+from segserve.attention.reference import ReferenceAttentionBackend
+from segserve.attention.segmented import (
+    SegmentedAttentionBackend,
+    attention_with_lse,
+    attention_with_lse_math,
+    merge_partials,
+)
+
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+BF16_TOL = {"atol": 2e-2, "rtol": 0.0}
+HEADS = (((9, 3), 64), ((4, 1), 32))
+SEGMENTS_AND_BLOCKS = [(s, b) for s in (512, 1024, 2048, 4096) for b in (16, 64, 128)]
+
+
+def prior_kinds(seg: int, block_size: int) -> list[int]:
+    """Empty, exact multiple of the segment, partial last segment, unaligned to the block, short."""
+    return [0, 2 * seg, seg + seg // 2, seg + 3 * block_size + 5, block_size + 1]
+
+
+def mixed_batch(seg: int, block_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """Every prior kind once as a decode and once as a chunk of random length, interleaved."""
+    gen = torch.Generator().manual_seed(seed)
+    query_lens, priors = [], []
+    for prior in prior_kinds(seg, block_size):
+        chunk = int(torch.randint(2, 41, (1,), generator=gen))
+        query_lens += [1, chunk]
+        priors += [prior, prior]
+    if seg == 512:
+        query_lens.append(600)  # a chunk longer than a segment: query length is not tied to it
+        priors.append(seg + 7)
+    return query_lens, priors
+
+
+def run_both(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(segmented out, reference out, segmented's cache after, reference's cache after)."""
+    seg_cache, ref_cache = case.cache.clone(), case.cache.clone()
+    out_seg = SegmentedAttentionBackend().forward(
+        case.q, case.k, case.v, seg_cache, case.metadata, case.scale
+    )
+    out_ref = ReferenceAttentionBackend().forward(
+        case.q, case.k, case.v, ref_cache, case.metadata, case.scale
+    )
+    return out_seg, out_ref, seg_cache, ref_cache
+
+
+def assert_cache_written_exactly(case: Case, after: torch.Tensor) -> None:
+    """Only the real rows' slots changed, to the rows' K/V; padding wrote nowhere; null block intact."""
+    md = case.metadata
+    t = md.num_actual_tokens
+    expected = case.cache.clone().flatten(1, 2)  # (2, slots, Hkv, D)
+    expected[0, md.slot_mapping] = case.k[:t]
+    expected[1, md.slot_mapping] = case.v[:t]
+    assert torch.equal(after.flatten(1, 2), expected)
+    assert torch.count_nonzero(after[:, 0]) == 0
+
+
+@pytest.mark.parametrize("index", range(len(SEGMENTS_AND_BLOCKS)))
+def test_float32_matches_reference_and_sdpa(index: int) -> None:
+    seg, block_size = SEGMENTS_AND_BLOCKS[index]
+    heads, head_dim = HEADS[index % 2]
+    query_lens, priors = mixed_batch(seg, block_size, seed=index)
+    case = make_case(
+        query_lens, priors, block_size=block_size, seg=seg, heads=heads, head_dim=head_dim, pad=3, seed=index
+    )
+    oracle = sdpa_oracle(case, case.cache)
+    out_seg, out_ref, seg_cache, ref_cache = run_both(case)
+    t = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out_ref, oracle, **FP32_TOL)
+    torch.testing.assert_close(out_seg, oracle, **FP32_TOL)
+    assert torch.count_nonzero(out_seg[t:]) == 0 and torch.count_nonzero(out_ref[t:]) == 0
+    assert_cache_written_exactly(case, seg_cache)
+    assert_cache_written_exactly(case, ref_cache)
+
+
+@pytest.mark.parametrize("seg,block_size", [(512, 16), (1024, 64), (4096, 128)])
+def test_bfloat16_matches_float32_oracle(seg: int, block_size: int) -> None:
+    query_lens, priors = mixed_batch(seg, block_size, seed=seg)
+    case = make_case(
+        query_lens, priors, block_size=block_size, seg=seg, dtype=torch.bfloat16, pad=2, seed=seg
+    )
+    oracle = sdpa_oracle(case, case.cache)  # float32 math on the bf16 values
+    out_seg, out_ref, seg_cache, _ = run_both(case)
+    assert out_seg.dtype == torch.bfloat16 and out_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out_seg.float(), oracle, **BF16_TOL)
+    torch.testing.assert_close(out_ref.float(), oracle, **BF16_TOL)
+    assert torch.count_nonzero(out_seg[case.metadata.num_actual_tokens :]) == 0
+    assert_cache_written_exactly(case, seg_cache)
+
+
+def test_many_decodes_split_into_bounded_gathers() -> None:
+    gen = torch.Generator().manual_seed(7)
+    priors = torch.randint(0, 3000, (24,), generator=gen).tolist()
+    case = make_case([1] * 24, priors, block_size=16, seg=512, heads=(4, 1), head_dim=32, pad=8, seed=7)
+    oracle = sdpa_oracle(case, case.cache)
+    for budget in (32768, 1024, 1):  # one call per segment; several; one decode per call
+        backend = SegmentedAttentionBackend(max_decode_gather_tokens=budget)
+        out = backend.forward(case.q, case.k, case.v, case.cache.clone(), case.metadata, case.scale)
+        torch.testing.assert_close(out, oracle, **FP32_TOL)
+
+
+def test_layers_share_the_step_plan() -> None:
+    """One metadata, two layers (two caches): the plan built on layer 0 must serve layer 1."""
+    case = make_case([1, 5, 1], [700, 300, 1], block_size=16, seg=512, seed=3)
+    other = make_case([1, 5, 1], [700, 300, 1], block_size=16, seg=512, seed=4)
+    backend = SegmentedAttentionBackend()
+    for c in (case, other):
+        out = backend.forward(c.q, c.k, c.v, c.cache.clone(), case.metadata, c.scale)
+        expected = sdpa_oracle(Case(c.q, c.k, c.v, c.cache, case.metadata, c.scale), c.cache)
+        torch.testing.assert_close(out, expected, **FP32_TOL)
+
+
+def test_seed_partial_segment_example_walks_three_full_segments_and_512_tokens(monkeypatch) -> None:
+    """Seed 000: prior 3584, segment 1024, block 128 -> 3 full segments + 512 valid tokens."""
+    assert num_kv_segments(3584, 1024) == (3, 512)
+    calls = []
+
+    def spy(q, k, v, scale, causal=False, mask=None):
+        calls.append((k.shape[2], causal, mask is not None))
+        return attention_with_lse(q, k, v, scale, causal, mask)
+
+    monkeypatch.setattr(segmented, "attention_with_lse", spy)
+    # A chunk: its causal part, then 3 full segments and the 512 valid tokens of the partial one.
+    # A decode: its own token is already cached, so the walk is 3585 tokens: 3 full segments, then
+    # 513 valid tokens gathered as 5 blocks of 128 (640 slots), the rest masked.
+    chunk = [(16, True, False)] + [(1024, False, False)] * 3 + [(512, False, False)]
+    decode = [(1024, False, False)] * 3 + [(640, False, True)]
+    for query_len, expected in ((16, chunk), (1, decode)):
+        calls.clear()
+        case = make_case([query_len], [3584], block_size=128, seg=1024, seed=11)
+        cache = case.cache.clone()
+        out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, cache, case.metadata, case.scale)
+        torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+        assert calls == expected
+
+
+def test_decode_segments_only_cover_requests_whose_prior_reaches_them(monkeypatch) -> None:
+    calls = []
+
+    def spy(q, k, v, scale, causal=False, mask=None):
+        calls.append((q.shape[0], k.shape[2], mask is not None))
+        return attention_with_lse(q, k, v, scale, causal, mask)
+
+    monkeypatch.setattr(segmented, "attention_with_lse", spy)
+    case = make_case([1, 1, 1, 1], [5000, 100, 2000, 2047], block_size=16, seg=1024, seed=5)
+    cache = case.cache.clone()
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, cache, case.metadata, case.scale)
+    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+    # Each decode walks prior + 1 tokens (its own is cached): 5001, 2048, 2001, 101. Calls are
+    # (decodes in the call, gathered width, masked): all 4, then 3, then only the longest, whose last
+    # segment holds 905 tokens in 57 blocks of 16 (912 slots), so it is masked.
+    assert calls == [(4, 1024, True), (3, 1024, True), (1, 1024, False), (1, 1024, False), (1, 912, True)]
+
+
+def test_math_path_matches_cpu_flash_and_the_formula() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 5, 32, generator=gen)
+    k, v = torch.randn(2, 2, 5, 32, generator=gen), torch.randn(2, 2, 5, 32, generator=gen)
+    for causal, mask in ((True, None), (False, torch.tensor([0.0, 0, -torch.inf, 0, 0]).expand(2, 1, 1, 5))):
+        o_math, lse_math = attention_with_lse_math(q, k, v, 0.3, causal, mask)
+        o_flash, lse_flash = attention_with_lse(q, k, v, 0.3, causal, mask)
+        scores = q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.3  # (2, 6, 5, 5)
+        if causal:
+            scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -torch.inf)
+        else:
+            scores = scores + mask
+        expected_o = torch.softmax(scores, -1) @ v.repeat_interleave(3, dim=1)
+        for o, lse in ((o_math, lse_math), (o_flash, lse_flash)):
+            torch.testing.assert_close(o, expected_o, **FP32_TOL)
+            torch.testing.assert_close(lse, torch.logsumexp(scores, -1), **FP32_TOL)
+
+
+def test_backend_on_the_math_path(monkeypatch) -> None:
+    """The device-agnostic path (used off CPU) gives the same answers."""
+    monkeypatch.setattr(segmented, "_CPU_FLASH", None)
+    case = make_case([1, 9, 1, 30], [0, 600, 1100, 17], block_size=64, seg=512, pad=2, seed=9)
+    out = SegmentedAttentionBackend().forward(
+        case.q, case.k, case.v, case.cache.clone(), case.metadata, case.scale
+    )
+    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+
+
+def test_merge_partials_equals_attention_over_the_union() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 3, 7, 16, generator=gen)
+    k, v = torch.randn(1, 3, 50, 16, generator=gen), torch.randn(1, 3, 50, 16, generator=gen)
+    o_all, lse_all = attention_with_lse(q, k, v, 0.25)
+    acc_o, acc_lse = attention_with_lse(q, k[:, :, :13], v[:, :, :13], 0.25)
+    o_rest, lse_rest = attention_with_lse(q, k[:, :, 13:], v[:, :, 13:], 0.25)
+    merge_partials(acc_o, acc_lse, o_rest, lse_rest)
+    torch.testing.assert_close(acc_o, o_all, **FP32_TOL)
+    torch.testing.assert_close(acc_lse, lse_all, **FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    "prior,seg,expected", [(3584, 1024, (3, 512)), (4096, 1024, (4, 0)), (0, 512, (0, 0)), (1, 4096, (0, 1))]
+)
+def test_num_kv_segments(prior: int, seg: int, expected: tuple[int, int]) -> None:
+    assert num_kv_segments(prior, seg) == expected
+
+
+def test_num_kv_segments_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        num_kv_segments(-1, 512)
+    with pytest.raises(ValueError):
+        num_kv_segments(10, 0)
+
+
+def test_write_kv_writes_real_rows_only() -> None:
+    cache = torch.zeros(2, 4, 2, 1, 3)
+    k = torch.arange(1.0, 13.0).view(4, 1, 3)  # rows 2 and 3 are padding
+    write_kv(cache, k, -k, torch.tensor([5, 2]))
+    flat = cache.flatten(1, 2)  # (2, 8 slots, 1, 3)
+    assert torch.equal(flat[0, 5], k[0]) and torch.equal(flat[0, 2], k[1])
+    assert torch.equal(flat[1, 5], -k[0]) and torch.equal(flat[1, 2], -k[1])
+    assert torch.count_nonzero(cache) == 2 * 2 * 3  # the two real rows of K and V, nothing else
+    with pytest.raises(ValueError):
+        write_kv(cache, k[:1], k[:1], torch.tensor([1, 2]))
+
+
+def test_gather_kv_follows_the_block_table() -> None:
+    cache = torch.arange(2 * 5 * 4, dtype=torch.float32).view(2, 5, 4, 1, 1)
+    k, v = gather_kv(cache, torch.tensor([3, 1, 0]), 0, 6)
+    assert k.flatten().tolist() == [12, 13, 14, 15, 4, 5]
+    assert v.flatten().tolist() == [32, 33, 34, 35, 24, 25]
+    with pytest.raises(ValueError):
+        gather_kv(cache, torch.tensor([3, 1, 0]), 2, 1)
+
+
+def test_segment_size_must_be_a_multiple_of_block_size() -> None:
+    case = make_case([1, 4], [40, 8], block_size=48, seg=512)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache, case.metadata, case.scale)
+
+
+def test_get_attention_backend() -> None:
+    assert get_attention_backend("segmented").name == "segmented"
+    assert get_attention_backend("reference").name == "reference"
+    with pytest.raises(ValueError, match="'flash'.*reference.*segmented"):
+        get_attention_backend("flash")
