@@ -136,7 +136,7 @@ def test_prompt_logprobs_with_a_prefix_cache_hit_equal_cold(smollm):
     eng.add_request("w", prompt, params)
     warm = finish_all(eng)["w"]
     assert warm.prompt_logprobs[0] is None and len(warm.prompt_logprobs) == len(prompt)
-    for a, b in zip(cold.prompt_logprobs[1:], warm.prompt_logprobs[1:]):
+    for a, b in zip(cold.prompt_logprobs[1:], warm.prompt_logprobs[1:], strict=False):
         assert a.keys() == b.keys()
         assert max(abs(a[t] - b[t]) for t in a) < 1e-4
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -79,11 +79,11 @@ def test_logprobs_and_metrics_are_filled(llm):
     )[0]
     comp = out.outputs[0]
     assert len(comp.logprobs) == 4
-    for tok, lps in zip(comp.token_ids, comp.logprobs):
+    for tok, lps in zip(comp.token_ids, comp.logprobs, strict=False):
         assert next(iter(lps)) == tok and len(lps) in (2, 3)
         assert max(lps.values()) == lps[tok]  # greedy picks the top logprob
     assert comp.cumulative_logprob == pytest.approx(
-        sum(lp[t] for t, lp in zip(comp.token_ids, comp.logprobs))
+        sum(lp[t] for t, lp in zip(comp.token_ids, comp.logprobs, strict=False))
     )
     m = out.metrics
     assert m.ttft is not None and m.ttft > 0 and m.num_prefill_steps == 1 and m.num_decode_tokens == 3

@@ -119,8 +119,11 @@ def test_tokenizer_serializes_like_transformers(ours, hf_tokenizer):
 
 @pytest.mark.parametrize("with_system", [False, True])
 def test_chat_template_renders_like_transformers(ours, hf_tokenizer, with_system):
-    msgs = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"},
-            {"role": "user", "content": "Another?"}]
+    msgs = [
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Another?"},
+    ]
     if with_system:
         msgs.insert(0, {"role": "system", "content": "Be brief."})
     ours_text = ours.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
