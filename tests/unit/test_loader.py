@@ -51,6 +51,19 @@ def llama_dir(tmp_path_factory, tokenizer):
     return hf, path
 
 
+@pytest.fixture(scope="module")
+def llama_model(llama_dir):
+    """``backend name -> loaded model`` of ``llama_dir``, each loaded once."""
+    cache = {}
+
+    def get(backend: str):
+        if backend not in cache:
+            cache[backend] = load_model(llama_dir[1], attn_backend=backend).model
+        return cache[backend]
+
+    return get
+
+
 def _assert_matches_hf(loaded, hf) -> None:
     ref = hf_logits(hf, PROMPT)
     ours = run_chunked(loaded.model, PROMPT, [len(PROMPT)])
@@ -85,9 +98,9 @@ def test_hf_dir_metadata(llama_dir):
 
 @pytest.mark.parametrize("backend", ["reference", "segmented"])
 @pytest.mark.parametrize("chunks", [[5, 7, 9], [1, 4, 16], [8, 8, 5]])
-def test_chunked_prefill_equals_one_shot(llama_dir, backend, chunks):
-    hf, path = llama_dir
-    model = load_model(path, attn_backend=backend).model
+def test_chunked_prefill_equals_one_shot(llama_dir, llama_model, backend, chunks):
+    hf, _ = llama_dir
+    model = llama_model(backend)
     full = run_chunked(model, PROMPT, [len(PROMPT)], block_size=4, kv_segment_size=8)
     chunked = run_chunked(model, PROMPT, chunks, block_size=4, kv_segment_size=8, seed=1)
     assert (chunked - full).abs().max().item() < 1e-5
@@ -95,10 +108,9 @@ def test_chunked_prefill_equals_one_shot(llama_dir, backend, chunks):
 
 
 @torch.inference_mode()
-def test_two_requests_in_one_step_match_each_alone(llama_dir):
+def test_two_requests_in_one_step_match_each_alone(llama_model):
     """Request A's first 6 tokens and request B's second chunk (prior 9, 5 tokens) share one step."""
-    _, path = llama_dir
-    model = load_model(path, attn_backend="segmented").model
+    model = llama_model("segmented")
     a, b = PROMPT[:6], PROMPT[2:16]
     bs, caches = 4, new_caches(model, 16, 4)
     rows_a, rows_b = [1, 2], [3, 4, 5, 6]
@@ -111,10 +123,9 @@ def test_two_requests_in_one_step_match_each_alone(llama_dir):
     assert (logits[6:] - run_chunked(model, b, [14])[9:]).abs().max().item() < 1e-5
 
 
-def test_bfloat16_close_to_float32(llama_dir):
-    _, path = llama_dir
-    f32 = run_chunked(load_model(path, attn_backend="reference").model, PROMPT, [len(PROMPT)])
-    bf16_model = load_model(path, dtype=torch.bfloat16, attn_backend="reference").model
+def test_bfloat16_close_to_float32(llama_dir, llama_model):
+    f32 = run_chunked(llama_model("reference"), PROMPT, [len(PROMPT)])
+    bf16_model = load_model(llama_dir[1], dtype=torch.bfloat16, attn_backend="reference").model
     assert bf16_model.embed_tokens.weight.dtype == torch.bfloat16
     bf16 = run_chunked(bf16_model, PROMPT, [len(PROMPT)])
     assert bf16.dtype == torch.float32
