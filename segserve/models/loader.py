@@ -421,28 +421,16 @@ def fuse_state_dict(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> di
     for n in range(config.num_hidden_layers):
         src, dst = f"model.layers.{n}.", f"layers.{n}."
         a = f"{src}self_attn."
-        out[f"{dst}self_attn.qkv_proj.weight"] = _concat_rows([tensors[f"{a}{p}_proj.weight"] for p in "qkv"])
+        out[f"{dst}self_attn.qkv_proj.weight"] = torch.cat([tensors[f"{a}{p}_proj.weight"] for p in "qkv"])
         if config.attention_bias:
-            out[f"{dst}self_attn.qkv_proj.bias"] = _concat_rows([tensors[f"{a}{p}_proj.bias"] for p in "qkv"])
+            out[f"{dst}self_attn.qkv_proj.bias"] = torch.cat([tensors[f"{a}{p}_proj.bias"] for p in "qkv"])
         out[f"{dst}self_attn.o_proj.weight"] = tensors[f"{a}o_proj.weight"]
         m = f"{src}mlp."
         gate_up = [tensors[f"{m}{p}_proj.weight"] for p in ("gate", "up")]
-        out[f"{dst}mlp.gate_up_proj.weight"] = _concat_rows(gate_up)
+        out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat(gate_up)
         out[f"{dst}mlp.down_proj.weight"] = tensors[f"{m}down_proj.weight"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{dst}{norm}.weight"] = tensors[f"{src}{norm}.weight"]
-    return out
-
-
-def _concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)`` along dim 0, by copying into one allocation: measured ~20x faster than
-    ``torch.cat`` for these first-touch weight copies on the 2-core CPU machine (1.2 s -> 0.06 s)."""
-    rows = sum(p.shape[0] for p in parts)
-    out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, device=parts[0].device)
-    row = 0
-    for p in parts:
-        out[row : row + p.shape[0]].copy_(p)
-        row += p.shape[0]
     return out
 
 
