@@ -207,8 +207,9 @@ class LLMEngine:
         text, prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        core_params, salt = self._with_extra_eos(params), cache_salt
         requests = [
-            Request(cid, prompt_ids, self._child_params(params, i), self.eos_token_id, arrival, cache_salt)
+            Request(cid, prompt_ids, self._child_params(core_params, i), self.eos_token_id, arrival, salt)
             for i, cid in enumerate(child_ids)
         ]
         added = []
@@ -230,6 +231,14 @@ class LLMEngine:
         if seed is not None and index > 0:
             seed = mix_seed(seed, -1 - index)
         return dataclasses.replace(params, n=1, seed=seed)
+
+    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """Models with several EOS ids (Llama 3's generation config): the ones after the first stop
+        generation like stop token ids, unless ``ignore_eos`` (vLLM does the same)."""
+        extra = [t for t in self.loaded.eos_token_ids[1:] if t not in params.stop_token_ids]
+        if not extra or params.ignore_eos:
+            return params
+        return dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids) + extra)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their KV blocks; unknown ids are ignored."""
