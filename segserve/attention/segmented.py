@@ -36,9 +36,11 @@ from segserve.attention.metadata import AttentionMetadata
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-# Upper bound on tokens gathered by one batched decode call: bounds the workspace (about 25 MB per K
-# or V in float32 for 3 KV heads of dim 64) while keeping each call large enough to amortise overhead.
-MAX_DECODE_GATHER_TOKENS = 32768
+# Bounds on one batched call: tokens gathered (about 25 MB per K or V in float32 for 3 KV heads of
+# dim 64), and float32 elements of the per-segment partial outputs (S x Hq x Tq x D) a chunk holds
+# before they are combined. Large enough to amortise per-call overhead, small enough to stay in memory.
+MAX_GATHER_TOKENS = 32768
+MAX_PARTIAL_ELEMENTS = 1 << 23
 
 
 def attention_with_lse(
@@ -106,24 +108,48 @@ def merge_partials(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, 
         o: ``[..., L, D]`` any float dtype; lse: ``[..., L]`` float32.
     """
     total = torch.logaddexp(acc_lse, lse)
+    # The weights are small ([..., L]); only the two in-place ops below touch [..., L, D].
     acc_o.mul_((acc_lse - total).exp_().unsqueeze(-1))
-    acc_o.add_(o.float() * (lse - total).exp_().unsqueeze(-1))
+    acc_o.addcmul_(o, (lse - total).exp_().unsqueeze(-1))
     acc_lse.copy_(total)
+
+
+def combine_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine partial results over disjoint key sets into one (log-sum-exp rescaling).
+
+    ``out = sum_k o_k * exp(lse_k - L)`` with ``L = logsumexp_k(lse_k)``: the same algebra as
+    :func:`merge_partials`, for many parts at once (several segments computed in one batched call).
+
+    Args:
+        parts: ``(o [S_k, H, L, D], lse [S_k, H, L] float32)`` pairs; every part's rows are partials
+            of the same queries. The tensors are consumed (may be overwritten).
+
+    Returns:
+        (o ``[1, H, L, D]`` float32, lse ``[1, H, L]`` float32).
+    """
+    total = torch.logsumexp(torch.cat([lse for _, lse in parts]), dim=0, keepdim=True)  # (1, H, L)
+    out = None
+    for o, lse in parts:
+        weighted = o.float().mul_((lse - total).exp_().unsqueeze(-1))  # (S_k, H, L, D)
+        part = weighted if weighted.shape[0] == 1 else weighted.sum(0, keepdim=True)
+        out = part if out is None else out.add_(part)
+    return out, total
 
 
 @dataclass(frozen=True)
 class _DecodeCall:
     """One batched gather + attention: sorted decodes ``[first, last)`` over the segment at ``start``.
 
-    ``block_ids`` ``[(last - first) * blocks]`` are the blocks to gather, request-major; ``mask`` is the
-    additive ``[last - first, 1, 1, blocks * block_size]`` mask, None when every slot is valid.
+    ``kv_rows`` ``[2 * (last - first) * blocks]`` are the cache rows to gather (:func:`kv_rows` of the
+    blocks, request-major); ``mask`` is the additive ``[last - first, 1, 1, blocks * block_size]`` mask,
+    None when every slot is valid.
     """
 
     start: int
     first: int
     last: int
     blocks: int
-    block_ids: torch.Tensor
+    kv_rows: torch.Tensor
     mask: torch.Tensor | None
 
 
@@ -145,8 +171,11 @@ class SegmentedAttentionBackend:
 
     name = "segmented"
 
-    def __init__(self, max_decode_gather_tokens: int = MAX_DECODE_GATHER_TOKENS) -> None:
-        self.max_decode_gather_tokens = max_decode_gather_tokens
+    def __init__(
+        self, max_gather_tokens: int = MAX_GATHER_TOKENS, max_partial_elements: int = MAX_PARTIAL_ELEMENTS
+    ) -> None:
+        self.max_gather_tokens = max_gather_tokens
+        self.max_partial_elements = max_partial_elements
         self._plan_key: tuple | None = None
         self._plan: _StepPlan | None = None
         self._workspace: torch.Tensor | None = None
@@ -205,48 +234,73 @@ class SegmentedAttentionBackend:
         seg: int,
         scale: float,
     ) -> torch.Tensor:
-        """One request: q ``[Tq, Hq, D]``, k/v ``[Tq, Hkv, D]`` -> ``[Tq, Hq, D]`` float32."""
+        """One request: q ``[Tq, Hq, D]``, k/v ``[Tq, Hkv, D]`` -> ``[Tq, Hq, D]`` (float32 or q's dtype).
+
+        Full segments are computed in batches (one attention call over ``[S, Hkv, seg, D]``), each
+        batch LSE-combined with the running result: an online softmax over batches of segments.
+        """
         tq, hq, d = q.shape
         hkv = k.shape[1]
         qh = q.transpose(0, 1).contiguous().unsqueeze(0)  # (1, Hq, Tq, D)
         o, lse = attention_with_lse(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, causal=True)
         # (1, Hq, Tq, ...) with Hq = (Hkv, G) is the folded (1, Hkv, G*Tq, ...) layout as it stands.
-        acc_o = o.float().reshape(1, hkv, -1, d)  # (1, Hkv, G*Tq, D)
-        acc_lse = lse.reshape(1, hkv, -1)  # (1, Hkv, G*Tq)
+        running = (o.reshape(1, hkv, -1, d), lse.reshape(1, hkv, -1))  # (1, Hkv, G*Tq, D), (1, Hkv, G*Tq)
         q_folded = qh.view(1, hkv, -1, d)  # (1, Hkv, G*Tq, D)
-        for start in range(0, prior, seg):
-            ks, vs = self._gather_segment(kv_cache, block_row, start, min(seg, prior - start))
-            o, lse = attention_with_lse(q_folded, ks, vs, scale)
-            merge_partials(acc_o, acc_lse, o, lse)
-        return acc_o.view(hq, tq, d).transpose(0, 1)
+        per_call = max(1, min(self.max_gather_tokens // seg, self.max_partial_elements // qh.numel()))
+        for start in range(0, prior, per_call * seg):
+            end = min(prior, start + per_call * seg)
+            running = combine_partials(
+                [running, *self._segment_partials(q_folded, kv_cache, block_row, start, end, seg, scale)]
+            )
+        return running[0].view(hq, tq, d).transpose(0, 1)
 
-    def _gather_segment(
-        self, kv_cache: torch.Tensor, block_row: torch.Tensor, start: int, num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Valid tokens ``[start, start + num_tokens)`` of one request as K, V ``[1, Hkv, n, D]`` views."""
-        block_size, hkv, d = kv_cache.shape[2:]
+    def _segment_partials(
+        self,
+        q_folded: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_row: torch.Tensor,
+        start: int,
+        end: int,
+        seg: int,
+        scale: float,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Partials of the segments covering prior tokens ``[start, end)``: the full ones in one call,
+        the partial last one (its valid tokens only, which is its mask) in another."""
+        block_size = kv_cache.shape[2]
         first = start // block_size
-        ids = block_row[first : first - (-num_tokens // block_size)]
-        kbuf, vbuf = self._buffers(ids.shape[0], kv_cache)
-        torch.index_select(kv_cache[0], 0, ids, out=kbuf)
-        torch.index_select(kv_cache[1], 0, ids, out=vbuf)
-        ks = kbuf.view(-1, hkv, d)[:num_tokens].transpose(0, 1)[None]  # (1, Hkv, n, D)
-        vs = vbuf.view(-1, hkv, d)[:num_tokens].transpose(0, 1)[None]  # (1, Hkv, n, D)
-        return ks, vs
+        ids = block_row[first : first - (-(end - start) // block_size)]
+        kv = self._gather_blocks(kv_cache, kv_rows(ids, kv_cache.shape[1])).flatten(
+            1, 2
+        )  # (2, n_blocks * block_size, Hkv, D)
+        hkv, d = kv.shape[2:]
+        full, rest = divmod(end - start, seg)
+        parts = []
+        if full:
+            ks, vs = (kv[i, : full * seg].view(full, seg, hkv, d).transpose(1, 2) for i in (0, 1))
+            parts.append(attention_with_lse(q_folded.expand(full, -1, -1, -1), ks, vs, scale))  # (S, ...)
+        if rest:
+            ks, vs = (kv[i, full * seg : full * seg + rest].transpose(0, 1)[None] for i in (0, 1))
+            parts.append(attention_with_lse(q_folded, ks, vs, scale))  # (1, Hkv, rest, D) keys
+        return parts
 
-    def _buffers(self, num_blocks: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V gather buffers ``[num_blocks, block_size, Hkv, D]``, reused across calls.
+    def _gather_blocks(self, kv_cache: torch.Tensor, kv_block_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``kv_block_ids`` (see :func:`kv_rows`) of the cache seen as ``[2 * num_blocks, ...]``.
 
-        Reuse matters on CPU: a fresh multi-megabyte tensor per segment costs page faults that take
-        longer than the gather itself.
+        Returns ``[2, n_blocks, block_size, Hkv, D]`` (K then V) in a reused workspace. One
+        ``index_select`` over dim 0 gathers K and V together and runs in parallel (a dim-1 select over
+        ``[2, num_blocks, ...]`` runs serially, twice as slow for large gathers here). Reusing the
+        workspace matters: a fresh multi-megabyte tensor per call costs page faults that take longer
+        than the gather itself.
         """
-        block_shape = kv_cache.shape[2:]
-        numel = num_blocks * block_shape.numel()
+        shape = (2, kv_block_ids.shape[0] // 2, *kv_cache.shape[2:])
+        numel = kv_block_ids.shape[0] * kv_cache[0, 0].numel()
         ws = self._workspace
-        if ws is None or ws.numel() < 2 * numel or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
-            ws = torch.empty(2 * numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        if ws is None or ws.numel() < numel or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
+            ws = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
             self._workspace = ws
-        return ws[:numel].view(num_blocks, *block_shape), ws[numel : 2 * numel].view(num_blocks, *block_shape)
+        rows = kv_cache.flatten(0, 1)  # (2 * num_blocks, block_size, Hkv, D)
+        torch.index_select(rows, 0, kv_block_ids, out=ws[:numel].view(-1, *kv_cache.shape[2:]))
+        return ws[:numel].view(shape)
 
     # --- decodes (query length 1) --------------------------------------------------------------------
 
@@ -292,37 +346,37 @@ class SegmentedAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one decode call as ``[n_call, Hkv, blocks * block_size, D]`` views of the workspace."""
         hkv, d = kv_cache.shape[3:]
-        kbuf, vbuf = self._buffers(call.block_ids.shape[0], kv_cache)
-        torch.index_select(kv_cache[0], 0, call.block_ids, out=kbuf)
-        torch.index_select(kv_cache[1], 0, call.block_ids, out=vbuf)
         n_call = call.last - call.first
-        ks = kbuf.view(n_call, -1, hkv, d).transpose(1, 2)  # (n_call, Hkv, L, D)
-        vs = vbuf.view(n_call, -1, hkv, d).transpose(1, 2)  # (n_call, Hkv, L, D)
-        return ks, vs
+        kv = self._gather_blocks(kv_cache, call.kv_rows).view(2, n_call, -1, hkv, d)  # (2, n, L, Hkv, D)
+        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (n_call, Hkv, L, D) each
 
     # --- per-step plan -------------------------------------------------------------------------------
 
     def _step_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
         """The plan for this step, built on the first layer and reused by the others."""
         # The key holds the metadata object itself, so its id cannot be recycled while cached.
-        key = (metadata, kv_cache.dtype, kv_cache.device, kv_cache.shape[2])
+        key = (metadata, kv_cache.dtype, kv_cache.device, kv_cache.shape)
         if self._plan_key is None or self._plan_key[0] is not metadata or self._plan_key[1:] != key[1:]:
-            self._plan = build_step_plan(
-                metadata, kv_cache.shape[2], kv_cache.dtype, self.max_decode_gather_tokens
-            )
+            self._plan = build_step_plan(metadata, kv_cache, self.max_gather_tokens)
             self._plan_key = key
         return self._plan
 
 
-def build_step_plan(
-    metadata: AttentionMetadata, block_size: int, dtype: torch.dtype, max_gather_tokens: int
-) -> _StepPlan:
+def kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Rows of ``kv_cache.flatten(0, 1)`` holding the K blocks, then the V blocks, of ``block_ids``."""
+    block_ids = block_ids.long()
+    return torch.cat([block_ids, block_ids + num_blocks])
+
+
+def build_step_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, max_gather_tokens: int) -> _StepPlan:
     """Split the step's requests into batched decodes and looped chunks; plan the decode gathers.
+
+    Reads only the shape, dtype and device of ``kv_cache``, so one plan serves every layer.
 
     Raises:
         ValueError: when ``kv_segment_size`` is not a positive multiple of ``block_size``.
     """
-    seg = metadata.kv_segment_size
+    seg, block_size = metadata.kv_segment_size, kv_cache.shape[2]
     if seg < block_size or seg % block_size:
         raise ValueError(f"kv_segment_size={seg} must be a positive multiple of block_size={block_size}")
     qlens, priors = metadata.query_lens_cpu, metadata.prior_tokens_cpu
@@ -334,7 +388,7 @@ def build_step_plan(
         table = metadata.block_table.index_select(0, torch.tensor(decodes, dtype=torch.long, device=device))
         walk = [priors[i] + 1 for i in decodes]  # a decode's own token is already cached: walk it too
         for start in range(0, walk[0], seg):
-            calls += _segment_calls(table, walk, start, seg, block_size, dtype, max_gather_tokens)
+            calls += _segment_calls(table, walk, start, seg, kv_cache, max_gather_tokens)
     chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
     return _StepPlan(decode_rows=rows, decode_calls=tuple(calls), chunks=chunks)
 
@@ -344,13 +398,13 @@ def _segment_calls(
     lengths: list[int],
     start: int,
     seg: int,
-    block_size: int,
-    dtype: torch.dtype,
+    kv_cache: torch.Tensor,
     max_gather_tokens: int,
 ) -> list[_DecodeCall]:
     """Decode calls for the segment at token ``start``; ``lengths`` (cached tokens to walk per decode)
     sorted longest first, ``table`` rows alike."""
-    valid = [min(seg, n - start) for n in lengths if n > start]  # a prefix, as priors are sorted
+    num_blocks, block_size = kv_cache.shape[1:3]
+    valid = [min(seg, n - start) for n in lengths if n > start]  # a prefix, as lengths are sorted
     blocks = -(-valid[0] // block_size)
     width = blocks * block_size
     per_call = max(1, max_gather_tokens // width)
@@ -358,11 +412,8 @@ def _segment_calls(
     for first in range(0, len(valid), per_call):
         last = min(first + per_call, len(valid))
         ids = table[first:last, start // block_size : start // block_size + blocks].reshape(-1)
-        calls.append(
-            _DecodeCall(
-                start, first, last, blocks, ids, _tail_mask(valid[first:last], width, dtype, table.device)
-            )
-        )
+        mask = _tail_mask(valid[first:last], width, kv_cache.dtype, kv_cache.device)
+        calls.append(_DecodeCall(start, first, last, blocks, kv_rows(ids, num_blocks), mask))
     return calls
 
 

@@ -104,13 +104,25 @@ def test_bfloat16_matches_float32_oracle(seg: int, block_size: int) -> None:
     assert_cache_written_exactly(case, seg_cache)
 
 
+def test_long_chunk_in_batches_of_segments() -> None:
+    """A chunk's full segments are batched into calls; smaller bounds mean more calls, same answer."""
+    case = make_case([40, 3], [5 * 512 + 300, 4 * 512], block_size=64, seg=512, pad=1, seed=12)
+    oracle = sdpa_oracle(case, case.cache)
+    for gather_tokens, partial_elements in ((32768, 1 << 23), (1024, 1 << 23), (32768, 1)):
+        backend = SegmentedAttentionBackend(
+            max_gather_tokens=gather_tokens, max_partial_elements=partial_elements
+        )
+        out = backend.forward(case.q, case.k, case.v, case.cache.clone(), case.metadata, case.scale)
+        torch.testing.assert_close(out, oracle, **FP32_TOL)
+
+
 def test_many_decodes_split_into_bounded_gathers() -> None:
     gen = torch.Generator().manual_seed(7)
     priors = torch.randint(0, 3000, (24,), generator=gen).tolist()
     case = make_case([1] * 24, priors, block_size=16, seg=512, heads=(4, 1), head_dim=32, pad=8, seed=7)
     oracle = sdpa_oracle(case, case.cache)
     for budget in (32768, 1024, 1):  # one call per segment; several; one decode per call
-        backend = SegmentedAttentionBackend(max_decode_gather_tokens=budget)
+        backend = SegmentedAttentionBackend(max_gather_tokens=budget)
         out = backend.forward(case.q, case.k, case.v, case.cache.clone(), case.metadata, case.scale)
         torch.testing.assert_close(out, oracle, **FP32_TOL)
 
@@ -132,15 +144,15 @@ def test_seed_partial_segment_example_walks_three_full_segments_and_512_tokens(m
     calls = []
 
     def spy(q, k, v, scale, causal=False, mask=None):
-        calls.append((k.shape[2], causal, mask is not None))
+        calls.append((k.shape[0], k.shape[2], causal, mask is not None))  # (segments, keys, ...)
         return attention_with_lse(q, k, v, scale, causal, mask)
 
     monkeypatch.setattr(segmented, "attention_with_lse", spy)
-    # A chunk: its causal part, then 3 full segments and the 512 valid tokens of the partial one.
-    # A decode: its own token is already cached, so the walk is 3585 tokens: 3 full segments, then
-    # 513 valid tokens gathered as 5 blocks of 128 (640 slots), the rest masked.
-    chunk = [(16, True, False)] + [(1024, False, False)] * 3 + [(512, False, False)]
-    decode = [(1024, False, False)] * 3 + [(640, False, True)]
+    # A chunk: its causal part, then the 3 full segments in one batched call, then the 512 valid
+    # tokens of the partial one. A decode: its own token is already cached, so it walks 3585 tokens:
+    # 3 full segments, then 513 valid tokens gathered as 5 blocks of 128 (640 slots), the rest masked.
+    chunk = [(1, 16, True, False), (3, 1024, False, False), (1, 512, False, False)]
+    decode = [(1, 1024, False, False)] * 3 + [(1, 640, False, True)]
     for query_len, expected in ((16, chunk), (1, decode)):
         calls.clear()
         case = make_case([query_len], [3584], block_size=128, seg=1024, seed=11)
