@@ -43,11 +43,12 @@ def build_paged(
     rows = [ids[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(needed))]
     md = build_attention_metadata(query_lens, priors, rows, bs, max(needed), args.seg)
     t = sum(query_lens)
+    dtype = getattr(torch, args.dtype)
     data = {
-        "cache": torch.randn(2, sum(needed) + 1, bs, args.kv_heads, args.head_dim, generator=gen),
-        "q": torch.randn(t, args.q_heads, args.head_dim, generator=gen),
-        "k": torch.randn(t, args.kv_heads, args.head_dim, generator=gen),
-        "v": torch.randn(t, args.kv_heads, args.head_dim, generator=gen),
+        "cache": torch.randn(2, sum(needed) + 1, bs, args.kv_heads, args.head_dim, generator=gen).to(dtype),
+        "q": torch.randn(t, args.q_heads, args.head_dim, generator=gen).to(dtype),
+        "k": torch.randn(t, args.kv_heads, args.head_dim, generator=gen).to(dtype),
+        "v": torch.randn(t, args.kv_heads, args.head_dim, generator=gen).to(dtype),
     }
     data["cache"][:, 0] = 0
     return data, md
@@ -104,7 +105,10 @@ def prefill_case(args: argparse.Namespace) -> dict:
     }
     times = time_interleaved(fns, {**dict.fromkeys(fns, args.reps), "reference": max(1, args.reps // 3)})
     expected = fns["sdpa_same_result"]()[0].transpose(0, 1)
-    errors = {name: (fns[name]() - expected).abs().max().item() for name in ("segmented", "reference")}
+    errors = {
+        name: (fns[name]().float() - expected.float()).abs().max().item()
+        for name in ("segmented", "reference")
+    }
     medians = {n: statistics.median(t) for n, t in times.items()}
     return {"ms": medians, "samples_ms": times, "max_abs_err": errors}
 
@@ -123,7 +127,7 @@ def decode_case(args: argparse.Namespace) -> dict:
         "sdpa": lambda: F.scaled_dot_product_attention(q4, k_all, v_all, scale=scale, enable_gqa=True),
     }
     times = time_interleaved(fns, dict.fromkeys(fns, 5 * args.reps))
-    err = (fns["segmented"]() - fns["sdpa"]()[:, :, 0]).abs().max().item()
+    err = (fns["segmented"]().float() - fns["sdpa"]()[:, :, 0].float()).abs().max().item()
     return {"ms": {k: statistics.median(t) for k, t in times.items()}, "max_abs_err": err}
 
 
@@ -139,6 +143,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--q-heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     return parser.parse_args()
 
 
@@ -149,7 +154,7 @@ def main() -> None:
     ms = prefill["ms"]
     ratio = ms["segmented"] / ms["sdpa_4096"]
     result = {
-        "case": vars(args) | {"dtype": "float32"},
+        "case": vars(args),
         "prefill": prefill,
         "ratio_segmented_vs_sdpa_4096": ratio,
         "ratio_segmented_vs_sdpa_same_result": ms["segmented"] / ms["sdpa_same_result"],
@@ -161,7 +166,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     err = max(prefill["max_abs_err"].values())
     print(
-        f"P6 {args.queries}q x {args.prior} prior (seg {args.seg}, block {args.block_size}, fp32, "
+        f"P6 {args.queries}q x {args.prior} prior (seg {args.seg}, block {args.block_size}, {args.dtype}, "
         f"{args.threads} thr): segmented {ms['segmented']:.1f} ms, reference {ms['reference']:.1f} ms, "
         f"SDPA contiguous {ms['sdpa_4096']:.1f} ms (masked same-result {ms['sdpa_same_result']:.1f} ms) "
         f"-> ratio {ratio:.2f}x (target <= 1.5x); decode 16x384: segmented "

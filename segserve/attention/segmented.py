@@ -10,10 +10,12 @@ mid-block), one prior per request, any block size dividing the segment size.
 
 Two paths:
 
-* chunks (query length > 1): few per step, looped over in Python. GQA costs no K/V repeat: the query
-  heads of a KV head are folded into the query length (``[Hkv, G * Tq, D]``), which only holds where no
-  causal mask depends on the query position, i.e. for the prior segments. A partial last segment is
-  masked by gathering only its valid tokens.
+* chunks (query length > 1): few per step, looped over in Python. The causal part is one call; the
+  full prior segments are batched into one call as ``[S, Hkv, seg, D]`` (each segment its own batch
+  entry, so its own log-sum-exp), and the partial last segment is one more call over just its valid
+  tokens, which is how it is masked. GQA costs no K/V repeat: the query heads of a KV head are folded
+  into the query length (``[Hkv, G * Tq, D]``), valid wherever no mask depends on the query position,
+  i.e. for the prior segments. Very long priors go in several batches, merged online.
 * decodes (query length 1): many per step, batched. A decode's own K/V is in the cache once written,
   so it walks ``prior + 1`` cached tokens and has no separate causal part. Sorted by that length
   (longest first), segment ``s`` is computed for the prefix of decodes that reach into it, so short
@@ -201,6 +203,10 @@ class SegmentedAttentionBackend:
         Returns:
             ``[T_padded, Hq, D]`` in q's dtype; padding rows are zeros.
 
+        Batched decodes read whole blocks and mask the slots past each one's end; masked slots are
+        multiplied by 0, so the cache must hold finite values there (allocate it zero-filled, as
+        ``kv_store.new_kv_cache`` does).
+
         Raises:
             ValueError: when ``kv_segment_size`` is not a positive multiple of the cache's block size.
         """
@@ -269,9 +275,8 @@ class SegmentedAttentionBackend:
         block_size = kv_cache.shape[2]
         first = start // block_size
         ids = block_row[first : first - (-(end - start) // block_size)]
-        kv = self._gather_blocks(kv_cache, kv_rows(ids, kv_cache.shape[1])).flatten(
-            1, 2
-        )  # (2, n_blocks * block_size, Hkv, D)
+        kv = self._gather_blocks(kv_cache, kv_rows(ids, kv_cache.shape[1]))
+        kv = kv.flatten(1, 2)  # (2, n_blocks * block_size, Hkv, D)
         hkv, d = kv.shape[2:]
         full, rest = divmod(end - start, seg)
         parts = []

@@ -1,9 +1,9 @@
 """Segmented kernel == reference backend == plain SDPA on contiguous K/V, over random shapes and layouts.
 
-Tolerances: float32 outputs agree within atol = rtol = 1e-5 (observed ~1e-6). bfloat16 outputs agree
-with a float32 oracle on the same bf16-rounded inputs within atol 2e-2 (bf16 has 8 mantissa bits: the
-final rounding alone is up to 2^-9 relative, and each segment's partial output is rounded once more
-before the float32 combine).
+Tolerances: float32 outputs agree within atol = rtol = 1e-5 (observed <= 6e-7). bfloat16 outputs agree
+with a float32 oracle on the same bf16-rounded inputs within atol 2e-2: outputs reach |3.5| here, where
+one bf16 ulp is 1.6e-2, so the final rounding alone costs up to 7.8e-3 (observed 7.6e-3, the same for
+both backends).
 """
 
 from __future__ import annotations
