@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from importlib import resources
 
 from segserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+# Each module defines ``register(subparsers)`` adding its subcommand; imports stay light (no torch).
+SUBCOMMAND_MODULES: tuple[str, ...] = ()
 
 DEFAULT_QUESTIONS = (
     "What does this license say about patents? Answer in two or three sentences.",
@@ -35,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=96)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=run_generate)
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 
