@@ -1,0 +1,219 @@
+"""One simulated engine: segserve's real ``Scheduler`` stepped on a virtual clock.
+
+Each ``step()`` does what ``LLMEngine.step()`` does, with the model replaced by a step-time model:
+``schedule()``, predict the step's duration from its composition, advance the clock, sample a fixed
+token for every request whose scheduled tokens reach its last token (the runner's rule), then
+``update_from_output()``. Token times are the end of the step that sampled them, as in the engine,
+whose output processor stamps tokens after the model ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from segserve.config import EngineConfig, cdiv
+from segserve.core.request import Request
+from segserve.core.scheduler import Scheduler
+from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from segserve.sampling_params import SamplingParams
+from segserve.simulator.step_model import RequestSlice, StepComposition, StepTimeModel
+from segserve.simulator.workload import TraceRequest, prompt_token_ids
+
+FAKE_TOKEN = 7
+
+
+@dataclass
+class RequestRecord:
+    """Timeline of one request, seconds on the simulation clock.
+
+    Attributes:
+        req_id: id given to the scheduler.
+        arrival: arrival time.
+        input_len, output_len: prompt tokens and tokens asked for.
+        token_times: end time of the step that produced each output token.
+        first_scheduled: start of the first step that computed part of it.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        num_preemptions: times it was preempted.
+        replica: which replica served it.
+        error: why it was rejected (None when it was accepted).
+    """
+
+    req_id: str
+    arrival: float
+    input_len: int
+    output_len: int
+    token_times: list[float] = field(default_factory=list)
+    first_scheduled: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    replica: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and len(self.token_times) >= self.output_len
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One simulated step: start time and duration (seconds) and what it computed."""
+
+    replica: int
+    start: float
+    duration: float
+    num_tokens: int
+    padded_tokens: int
+    num_decodes: int
+    num_prefill_tokens: int
+    num_requests: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preempted: int
+
+
+def default_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, kv_cache_memory_bytes: int) -> int:
+    """Pool size the engine would choose (``LLMEngine._num_kv_blocks``'s rule): what fits the memory
+    budget, capped at ``max_num_seqs`` full-length rows, plus the null block.
+
+    Raises:
+        ValueError: when not even one block fits.
+    """
+    per_block = kv_bytes_per_token * config.cache.block_size
+    fit = kv_cache_memory_bytes // per_block
+    if fit < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={kv_cache_memory_bytes} is below one block ({per_block} bytes)"
+        )
+    rows = config.scheduler.max_num_seqs * cdiv(config.scheduler.max_model_len, config.cache.block_size)
+    return min(fit, rows) + 1
+
+
+def composition(scheduler: Scheduler, out: SchedulerOutput) -> StepComposition:
+    """The step's composition, read after ``schedule()`` (which already advanced each request's
+    ``num_computed_tokens`` by its scheduled tokens)."""
+    slices = []
+    for rid, n in out.num_scheduled_tokens.items():
+        req = scheduler.requests[rid]
+        prior = req.num_computed_tokens - n
+        slices.append(
+            RequestSlice(
+                prior, n, n == 1 and prior >= req.num_prompt_tokens, req.num_computed_tokens >= req.num_tokens
+            )
+        )
+    return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded)
+
+
+def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+    """``FAKE_TOKEN`` for each request whose scheduled tokens reach its last token, none otherwise."""
+    sampled = {}
+    for rid in out.num_scheduled_tokens:
+        req = scheduler.requests[rid]
+        if req.num_computed_tokens >= req.num_tokens:
+            sampled[rid] = [FAKE_TOKEN]
+    return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+class Replica:
+    """A scheduler, a KV pool and a clock.
+
+    Args:
+        config: the engine configuration to simulate.
+        num_kv_blocks: KV blocks including the null block.
+        step_model: predicts each step's duration.
+        index: replica number (for records).
+        check: run ``check_integrity()`` after every step (slow; tests).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int,
+        step_model: StepTimeModel,
+        index: int = 0,
+        check: bool = False,
+    ) -> None:
+        self.scheduler = Scheduler(config, num_kv_blocks)
+        self.model = step_model
+        self.index = index
+        self.check = check
+        self.clock = 0.0
+        self.records: dict[str, RequestRecord] = {}
+        self.steps: list[StepRecord] = []
+        self.outputs_log: list[SchedulerOutput] = []
+        self.keep_outputs = False
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def load(self) -> int:
+        """Tokens still to compute or generate over its requests (the least-loaded router's measure)."""
+        return sum(
+            r.num_prompt_tokens + r.sampling_params.max_tokens - r.num_computed_tokens
+            for r in self.scheduler.requests.values()
+        )
+
+    def add(
+        self, req: TraceRequest, index: int, now: float, token_ids: list[int] | None = None
+    ) -> RequestRecord:
+        """Queue a trace request arriving at ``now``; a request that can never fit is recorded with
+        its error instead of raising."""
+        rid = f"r{index}"
+        rec = RequestRecord(rid, req.arrival, req.input_len, req.output_len, replica=self.index)
+        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+        ids = token_ids if token_ids is not None else prompt_token_ids(req, index)
+        idle = not self.busy
+        try:
+            self.scheduler.add_request(Request(rid, ids, params, eos_token_id=None, arrival_time=now))
+        except ValueError as exc:
+            rec.error = str(exc)
+            return rec
+        if idle:  # a busy replica picks the request up at its next step
+            self.clock = max(self.clock, now)
+        self.records[rid] = rec
+        return rec
+
+    def step(self) -> StepRecord:
+        """Run one step from ``self.clock``. Raises RuntimeError when requests wait but nothing can run."""
+        sched = self.scheduler
+        out = sched.schedule()
+        if out.is_empty:
+            raise RuntimeError(
+                f"replica {self.index}: {sched.get_num_unfinished_requests()} requests "
+                "unfinished but the scheduler scheduled nothing (KV pool too small?)"
+            )
+        comp = composition(sched, out)
+        start, duration = self.clock, self.model.predict(comp)
+        self.clock += duration
+        for rid in out.num_scheduled_tokens:
+            rec = self.records[rid]
+            if rec.first_scheduled is None:
+                rec.first_scheduled = start
+        rec_step = StepRecord(
+            self.index,
+            start,
+            duration,
+            comp.num_tokens,
+            comp.padded_tokens,
+            comp.num_decodes,
+            comp.num_prefill_tokens,
+            len(comp.slices),
+            len(sched.running),
+            len(sched.waiting),
+            sched.kv_cache_manager.usage,
+            len(out.preempted_req_ids),
+        )
+        for rid in out.preempted_req_ids:
+            self.records[rid].num_preemptions += 1
+        for o in sched.update_from_output(out, fake_runner_output(sched, out)):
+            rec = self.records[o.req_id]
+            rec.token_times.extend([self.clock] * len(o.new_token_ids))
+            rec.num_cached_tokens = o.num_cached_tokens
+        if self.check:
+            sched.check_integrity()
+        if self.keep_outputs:
+            self.outputs_log.append(out)
+        self.steps.append(rec_step)
+        return rec_step

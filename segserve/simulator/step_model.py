@@ -1,0 +1,270 @@
+"""Step-time models: predict one engine step's duration (seconds) from the step's composition.
+
+Two kinds, both saved as a JSON "hardware profile" (``{"kind": "linear" | "roofline", ...}``):
+
+- ``LinearStepModel``: a weighted sum of features fitted to measured steps of this engine
+  (``segserve profile``). The features follow the step's cost structure: weight GEMMs scale with the
+  padded token rows, the LM head with the sampled rows, causal attention of a prefill chunk of ``c``
+  tokens over ``p`` cached tokens with ``c * (p + (c + 1) / 2)`` query-key pairs, a decode with its
+  context length, plus per-request and per-step overheads (Python, metadata, kernel launches).
+- ``RooflineStepModel``: an analytic bound for hardware we do not have: the larger of compute time
+  (FLOPs / achieved FLOP/s) and memory time (weights + KV bytes / achieved bandwidth), plus a fixed
+  overhead (Williams et al., "Roofline", CACM 2009; the 2 FLOPs per parameter per token rule from
+  Kaplan et al., 2020).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+FEATURES = ("step", "padded_tokens", "sampled", "requests", "prefill_attn", "decode_ctx")
+
+
+@dataclass(frozen=True)
+class RequestSlice:
+    """One request's part of a step.
+
+    Attributes:
+        prior: tokens already in its KV cache before the step (prefix hits included), tokens.
+        chunk: tokens computed for it this step (1 for a decode), tokens.
+        is_decode: True when it generates (one token past its prompt), False for prompt/recompute work.
+        samples: True when the step samples a token for it (its chunk reaches its last token).
+    """
+
+    prior: int
+    chunk: int
+    is_decode: bool
+    samples: bool
+
+
+@dataclass(frozen=True)
+class StepComposition:
+    """What one step computes.
+
+    Attributes:
+        slices: one entry per scheduled request, in scheduling order.
+        padded_tokens: rows of the padded batch (the padding bucket), tokens.
+    """
+
+    slices: tuple[RequestSlice, ...]
+    padded_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.chunk for s in self.slices)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.slices if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.chunk for s in self.slices if not s.is_decode)
+
+    def features(self) -> tuple[float, ...]:
+        """The ``FEATURES`` vector: (1, padded rows, sampled rows, requests, prefill q-k pairs,
+        decode context tokens)."""
+        attn = sum(s.chunk * (s.prior + (s.chunk + 1) / 2) for s in self.slices if not s.is_decode)
+        ctx = sum(s.prior + 1 for s in self.slices if s.is_decode)
+        sampled = sum(1 for s in self.slices if s.samples)
+        return (1.0, float(self.padded_tokens), float(sampled), float(len(self.slices)), attn, float(ctx))
+
+
+class StepTimeModel(Protocol):
+    """Anything that predicts a step's duration and describes itself as JSON."""
+
+    def predict(self, comp: StepComposition) -> float: ...
+
+    def to_dict(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of the served model, enough for KV sizing and roofline FLOPs.
+
+    Attributes:
+        name: for reports.
+        num_params: parameters (embedding included when tied), count.
+        num_layers, num_heads, num_kv_heads, head_dim: transformer geometry.
+        dtype_bytes: bytes per weight and KV element (4 float32, 2 bfloat16).
+    """
+
+    name: str = "SmolLM2-135M-Instruct"
+    num_params: float = 134.5e6
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    dtype_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_params", "num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model {name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers: ``2 * L * Hkv * D * bytes``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class LinearStepModel:
+    """``duration = sum(coef[f] * feature[f])`` over ``FEATURES`` (seconds).
+
+    Attributes:
+        coefficients: feature name -> seconds per unit (missing names count as 0).
+        model: the model the profile was measured with (KV sizing).
+        source: where the numbers came from (free text for reports).
+    """
+
+    coefficients: dict[str, float]
+    model: ModelShape = field(default_factory=ModelShape)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown step-model features {sorted(unknown)}; known: {FEATURES}")
+
+    def predict(self, comp: StepComposition) -> float:
+        return sum(self.coefficients.get(n, 0.0) * x for n, x in zip(FEATURES, comp.features(), strict=True))
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "linear",
+            "coefficients": dict(self.coefficients),
+            "model": asdict(self.model),
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class RooflineStepModel:
+    """Analytic step time on hardware given by peak figures (seconds).
+
+    Attributes:
+        model: the served model.
+        flops: achievable dense FLOP/s (peak times an efficiency, e.g. 0.5 * 989e12 for H100 bf16).
+        bandwidth: achievable memory bandwidth, bytes/s.
+        overhead: fixed per-step time (scheduling, launches), seconds.
+        per_request: per scheduled request time (metadata), seconds.
+        source: free text.
+    """
+
+    model: ModelShape
+    flops: float
+    bandwidth: float
+    overhead: float = 2e-3
+    per_request: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.flops <= 0 or self.bandwidth <= 0:
+            raise ValueError(f"flops and bandwidth must be > 0, got {self.flops}, {self.bandwidth}")
+        if self.overhead < 0 or self.per_request < 0:
+            raise ValueError(
+                f"overhead and per_request must be >= 0, got {self.overhead}, {self.per_request}"
+            )
+
+    def predict(self, comp: StepComposition) -> float:
+        m = self.model
+        _, padded, _, nreq, attn_pairs, ctx = comp.features()
+        # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
+        attn_flops = 4 * m.num_layers * m.num_heads * m.head_dim * (attn_pairs + ctx)
+        compute = (2 * m.num_params * padded + attn_flops) / self.flops
+        kv_read = sum(s.prior + s.chunk for s in comp.slices) * m.kv_bytes_per_token
+        memory = (m.num_params * m.dtype_bytes + kv_read) / self.bandwidth
+        return max(compute, memory) + self.overhead + self.per_request * nreq
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "roofline",
+            "model": asdict(self.model),
+            "flops": self.flops,
+            "bandwidth": self.bandwidth,
+            "overhead": self.overhead,
+            "per_request": self.per_request,
+            "source": self.source,
+        }
+
+
+# Published dense bf16 peaks and HBM bandwidth (NVIDIA H100 SXM and H200 datasheets).
+HARDWARE = {
+    "h100": {"flops": 989e12, "bandwidth": 3.35e12},
+    "h200": {"flops": 989e12, "bandwidth": 4.8e12},
+    "a100": {"flops": 312e12, "bandwidth": 2.0e12},
+}
+# Llama-3.1-8B: 8.03 B parameters, 32 layers, 32 query heads, 8 KV heads, head_dim 128.
+LLAMA_8B = ModelShape("Llama-3.1-8B", 8.03e9, 32, 32, 8, 128, 2)
+
+
+def roofline_profile(
+    hardware: str, model: ModelShape = LLAMA_8B, mfu: float = 0.5, mbu: float = 0.8, overhead: float = 2e-3
+) -> RooflineStepModel:
+    """A roofline model for a named GPU (``HARDWARE``) at the given compute/bandwidth utilisations.
+
+    Raises:
+        ValueError: unknown hardware name, or a utilisation outside (0, 1].
+    """
+    if hardware not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r}; known: {sorted(HARDWARE)}")
+    if not (0 < mfu <= 1 and 0 < mbu <= 1):
+        raise ValueError(f"mfu and mbu must be in (0, 1], got {mfu}, {mbu}")
+    hw = HARDWARE[hardware]
+    return RooflineStepModel(
+        model,
+        hw["flops"] * mfu,
+        hw["bandwidth"] * mbu,
+        overhead,
+        source=f"roofline {hardware} mfu={mfu} mbu={mbu}",
+    )
+
+
+def model_from_dict(data: dict) -> StepTimeModel:
+    """Build a step model from its JSON form. Raises ValueError on an unknown ``kind``."""
+    kind = data.get("kind")
+    shape = ModelShape(**data["model"]) if "model" in data else ModelShape()
+    if kind == "linear":
+        return LinearStepModel(dict(data["coefficients"]), shape, data.get("source", ""))
+    if kind == "roofline":
+        return RooflineStepModel(
+            shape,
+            data["flops"],
+            data["bandwidth"],
+            data.get("overhead", 2e-3),
+            data.get("per_request", 0.0),
+            data.get("source", ""),
+        )
+    raise ValueError(f"profile kind must be 'linear' or 'roofline', got {kind!r}")
+
+
+def load_profile(path: str | Path) -> StepTimeModel:
+    """Read a JSON hardware profile (``segserve profile`` output, or hand-written roofline)."""
+    with open(path, encoding="utf-8") as f:
+        return model_from_dict(json.load(f))
+
+
+def save_profile(model: StepTimeModel, path: str | Path, extra: dict | None = None) -> None:
+    """Write ``model.to_dict()`` (plus ``extra`` keys, e.g. fit residuals) as JSON."""
+    data = model.to_dict() | (extra or {})
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+# Order-of-magnitude numbers for this engine on the 2-core CPU (from /work/shared/baselines.md:
+# ~540 prefill tok/s, ~10 ms LM-head row, ~1.1 s attention for 512 x 4,096 pairs over 30 layers);
+# used only when no profile is given. ``segserve profile`` measures the real ones.
+DEFAULT_CPU_MODEL = LinearStepModel(
+    {
+        "step": 0.02,
+        "padded_tokens": 1.8e-3,
+        "sampled": 2e-3,
+        "requests": 5e-4,
+        "prefill_attn": 5e-7,
+        "decode_ctx": 1e-6,
+    },
+    source="built-in guess from baselines.md",
+)
