@@ -1,0 +1,302 @@
+"""``AsyncLLMEngine``: one background thread steps an ``LLMEngine``; asyncio callers get a stream each.
+
+``LLMEngine`` is not thread-safe, so every call into it (``add_request``, ``abort_request``, ``step``,
+inspection for tests) runs on the engine thread: callers enqueue a command and the thread runs the
+queued commands between steps. Outputs travel back through ``loop.call_soon_threadsafe`` into the
+caller's ``asyncio.Queue``, so HTTP handlers never wait on a step. The shape follows vLLM's
+``AsyncLLM.generate`` (an async iterator of cumulative ``RequestOutput`` per request; leaving the
+iterator early aborts the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from segserve.engine.llm_engine import LLMEngine, PromptType
+from segserve.outputs import RequestOutput
+from segserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("segserve")
+T = TypeVar("T")
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue holds ``max_waiting_requests`` requests; the new one was refused."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an exception in ``step`` or a shutdown); no request can proceed."""
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one engine step did, handed to step observers on the engine thread.
+
+    Attributes:
+        outputs: the requests that progressed (cumulative outputs, as ``LLMEngine.step`` returns).
+        new_tokens: request id -> tokens generated this step, summed over its completions.
+        now: ``time.monotonic()`` right after the step, seconds.
+        engine: the engine (observers may read its scheduler stats; they must not mutate it).
+    """
+
+    outputs: list[RequestOutput]
+    new_tokens: dict[str, int]
+    now: float
+    engine: LLMEngine
+
+
+class StepObserver(Protocol):
+    """Called on the engine thread after every step (metrics, the periodic log line)."""
+
+    def on_step(self, info: StepInfo) -> None: ...
+
+    def on_abort(self, request_id: str) -> None:
+        """A live request was aborted (it will send no final output)."""
+
+
+class OutputStream:
+    """One request's outputs, an async iterator of cumulative ``RequestOutput`` (ends when finished).
+
+    Outputs that pile up while the reader is busy are coalesced (each is cumulative), so a slow
+    reader costs no memory per token. ``abort_if_unfinished`` stops the request in the engine.
+    """
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort_if_unfinished(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Drive ``engine`` from a background thread; serve many concurrent asyncio callers.
+
+    Args:
+        engine: the engine to drive; from now on only the engine thread touches it.
+        max_waiting_requests: bound on the scheduler's waiting queue (requests, counting each of
+            ``n`` completions); a request arriving when it is full raises ``QueueFullError``.
+        observers: called after every step on the engine thread.
+        idle_poll_s: how long the idle thread sleeps between checks when nothing is queued, seconds.
+
+    Raises:
+        ValueError: ``max_waiting_requests`` < 1.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int = 256,
+        observers: tuple[StepObserver, ...] = (),
+        idle_poll_s: float = 0.5,
+    ) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.observers = list(observers)
+        self.idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, OutputStream] = {}  # owned by the engine thread
+        self._generated: dict[str, int] = {}  # request id -> tokens seen so far (engine thread)
+        self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="segserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread after its current step; open streams end with ``EngineDeadError``."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # ---- calls from any thread -------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn()`` on the engine thread between steps; its result or exception lands in the future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self.dead is not None or self._stop.is_set():
+            fut.set_exception(EngineDeadError(f"the engine loop has stopped: {self.dead!r}"))
+            return fut
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Await ``fn()`` run on the engine thread (e.g. ``engine.check_integrity``)."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed before the next step); does not wait."""
+        self.call(lambda: self._abort_now(request_id))
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> OutputStream:
+        """Add a request; returns its stream once the engine thread accepted it.
+
+        Raises:
+            ValueError: invalid prompt or parameters (from ``LLMEngine.add_request``); nothing queued.
+            QueueFullError: the waiting queue is full; nothing queued.
+            EngineDeadError: the engine loop stopped.
+        """
+        stream = OutputStream(self, request_id, asyncio.get_running_loop())
+        try:
+            await self.run(lambda: self._add_now(request_id, prompt, params, stream))
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still run after the caller left
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and yield its cumulative outputs until it finishes (vLLM's ``generate``).
+
+        Leaving early (``break``, cancellation) aborts the request. Raises as ``add_request`` does.
+        """
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort_if_unfinished()
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _add_now(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, stream: OutputStream
+    ) -> None:
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting + params.n > self.max_waiting_requests:
+            raise QueueFullError(
+                f"server busy: the waiting queue holds {waiting} requests and this one adds {params.n}, "
+                f"above max_waiting_requests={self.max_waiting_requests}; retry later"
+            )
+        self.engine.add_request(request_id, prompt, params)
+        self._streams[request_id] = stream
+        self._generated[request_id] = 0
+
+    def _abort_now(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return  # finished or never added
+        self.engine.abort_request(request_id)
+        self._generated.pop(request_id, None)
+        for observer in self.observers:
+            observer.on_abort(request_id)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._wake.wait(self.idle_poll_s)
+                    self._idle()
+        except BaseException as exc:  # noqa: BLE001 - any failure ends every stream, then is logged
+            logger.exception("engine loop failed")
+            self.dead = exc
+        self.dead = self.dead or EngineDeadError("the engine loop was shut down")
+        self._fail_all(self.dead)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(exc)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.monotonic()
+        new_tokens = {}
+        for out in outputs:
+            total = sum(len(c.token_ids) for c in out.outputs)
+            new_tokens[out.request_id] = total - self._generated.get(out.request_id, 0)
+            self._generated[out.request_id] = total
+            if out.finished:
+                self._generated.pop(out.request_id, None)
+            self._deliver(out.request_id, out, out.finished)
+        info = StepInfo(outputs, new_tokens, now, self.engine)
+        for observer in self.observers:
+            observer.on_step(info)
+
+    def _idle(self) -> None:
+        """Observers also hear about idle periods (the log line keeps its cadence)."""
+        info = StepInfo([], {}, time.monotonic(), self.engine)
+        for observer in self.observers:
+            observer.on_step(info)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if stream is None:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody will read this request
+            self.engine.abort_request(request_id)
+            self._streams.pop(request_id, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop failed: {exc!r}")
+        for rid in list(self._streams):
+            self._deliver(rid, error, last=True)
+        self._run_commands_failed(error)
+
+    def _run_commands_failed(self, error: EngineDeadError) -> None:
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)

@@ -1,0 +1,121 @@
+"""The FastAPI app of the OpenAI-compatible server and the glue that starts it.
+
+Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions``. Every error, including a malformed body and an unknown route, is
+answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from segserve.engine.async_engine import AsyncLLMEngine
+from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
+from segserve.entrypoints.openai.serving import ApiError, OpenAIServing
+
+logger = logging.getLogger("segserve")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of pydantic's first complaint about a body."""
+    err = exc.errors()[0]
+    if err.get("type") == "json_invalid":
+        return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return f"{where}: {err.get('msg')} (got {err.get('input')!r})", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return ApiError(500, f"internal error: {exc!r}", type="server_error").response()
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics) -> FastAPI:
+    """The app over a started ``engine``; ``metrics`` must be one of the engine's observers."""
+    app = FastAPI(title="segserve OpenAI-compatible server")
+    serving = OpenAIServing(engine, served_model_names)
+    app.state.serving = serving
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return Response(status_code=200)
+        return ApiError(503, f"engine loop is not running: {engine.dead!r}", type="server_error").response()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> p.ModelList:
+        root = engine.engine.loaded.name
+        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=serving.max_model_len)
+                                 for name in served_model_names])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: p.CompletionRequest, raw: Request) -> Any:
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: p.ChatCompletionRequest, raw: Request) -> Any:
+        return await serving.chat(body, raw)
+
+    return app
+
+
+def make_server(
+    llm_engine,
+    served_model_names: list[str] | None = None,
+    max_waiting_requests: int = 256,
+    log_interval_s: float = 10.0,
+) -> tuple[FastAPI, AsyncLLMEngine]:
+    """Wrap an ``LLMEngine`` in a started ``AsyncLLMEngine`` (metrics + log line) and build the app.
+
+    Args:
+        llm_engine: the engine; from now on only the engine thread touches it.
+        served_model_names: names accepted as ``model`` (default: the model's name).
+        max_waiting_requests: bound on the waiting queue; beyond it requests get 503.
+        log_interval_s: period of the stats log line, seconds.
+    """
+    names = served_model_names or [llm_engine.loaded.name]
+    metrics = EngineMetrics(names[0])
+    engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
+    engine.start()
+    return build_app(engine, names, metrics), engine
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free one, read back with ``getsockname()``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock

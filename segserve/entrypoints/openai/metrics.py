@@ -1,0 +1,162 @@
+"""Prometheus metrics and the periodic log line, both fed by the engine thread after every step.
+
+Metric names are vLLM's (``vllm:`` prefix, ``model_name`` label) so dashboards and load generators
+written for vLLM read them unchanged: ``vllm:num_requests_running``/``waiting``,
+``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries``/``hits`` (tokens),
+``vllm:num_preemptions``, ``vllm:prompt_tokens``/``vllm:generation_tokens``,
+``vllm:request_success`` (by ``finished_reason``) and the histograms
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``. Counters carry the
+``_total`` suffix in the exposition, as ``prometheus_client`` writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from segserve.engine.async_engine import StepInfo
+from segserve.outputs import RequestOutput
+
+logger = logging.getLogger("segserve")
+
+# Bucket edges, seconds: CPU serving spans milliseconds (a decode) to minutes (a long prompt queued).
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+def _engine_gauges(engine) -> tuple[int, int, float]:
+    sched = engine.scheduler
+    return len(sched.running), len(sched.waiting), sched.kv_cache_manager.usage
+
+
+class EngineMetrics:
+    """Prometheus collectors for one served model, registered in their own registry.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        registry: where to register; a fresh ``CollectorRegistry`` by default, so several servers in
+            one process (tests) do not collide.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        r, names = self.registry, ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests running", names, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%)", names, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache", names, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache",
+                                   names, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions", names, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that produced "
+                                     "output", names, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", names, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests", names + ["finished_reason"],
+                               registry=r)
+        self.ttft = self._hist("vllm:time_to_first_token_seconds", "Time to first token")
+        self.itl = self._hist("vllm:inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = self._hist("vllm:e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = self._hist("vllm:request_queue_time_seconds", "Arrival to first scheduled")
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+        # Request id -> time of its latest token (completion 0), for inter-token latency.
+        self._last_token: dict[str, float] = {}
+
+    def _hist(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def on_step(self, info: StepInfo) -> None:
+        """Update gauges and counters from one step (engine thread)."""
+        labels = self.labels
+        running, waiting, usage = _engine_gauges(info.engine)
+        self.running.labels(**labels).set(running)
+        self.waiting.labels(**labels).set(waiting)
+        self.kv_usage.labels(**labels).set(usage)
+        self._cache_and_preemption_deltas(info.engine)
+        for out in info.outputs:
+            self._request_step(out, info.new_tokens.get(out.request_id, 0), info.now)
+
+    def _cache_and_preemption_deltas(self, engine) -> None:
+        stats = engine.scheduler.kv_cache_manager.stats
+        queries, hits = stats.queries, stats.hits
+        self.prefix_queries.labels(**self.labels).inc(queries - self._last_prefix[0])
+        self.prefix_hits.labels(**self.labels).inc(hits - self._last_prefix[1])
+        self._last_prefix = (queries, hits)
+        preemptions = engine.scheduler.stats.num_preemptions
+        self.preemptions.labels(**self.labels).inc(preemptions - self._last_preemptions)
+        self._last_preemptions = preemptions
+
+    def _request_step(self, out: RequestOutput, new_tokens: int, now: float) -> None:
+        labels, m = self.labels, out.metrics
+        self.generation_tokens.labels(**labels).inc(new_tokens)
+        first = out.request_id not in self._last_token
+        if new_tokens and first:
+            self.prompt_tokens.labels(**labels).inc(len(out.prompt_token_ids))
+            if m is not None and m.ttft is not None:
+                self.ttft.labels(**labels).observe(m.ttft)
+            if m is not None and m.time_in_queue is not None:
+                self.queue_time.labels(**labels).observe(m.time_in_queue)
+        elif new_tokens:
+            self.itl.labels(**labels).observe(now - self._last_token[out.request_id])
+        if new_tokens:
+            self._last_token[out.request_id] = now
+        if out.finished:
+            self._last_token.pop(out.request_id, None)
+            reason = out.outputs[0].finish_reason or "abort"
+            self.success.labels(**labels, finished_reason=reason).inc()
+            if m is not None and m.finished_time is not None:
+                self.e2e.labels(**labels).observe(m.finished_time - m.arrival_time)
+
+    def on_abort(self, request_id: str) -> None:
+        """An aborted request sends no final output: count it and drop its state (engine thread)."""
+        self._last_token.pop(request_id, None)
+        self.success.labels(**self.labels, finished_reason="abort").inc()
+
+
+@dataclass
+class StatLogger:
+    """Logs one vLLM-style line every ``interval_s`` seconds while the engine has or had work.
+
+    ``Avg prompt throughput: P tokens/s, Avg generation throughput: G tokens/s, Running: R reqs,
+    Waiting: W reqs, KV cache usage: U%, Prefix cache hit rate: H%`` (throughputs over the interval,
+    the hit rate since start, in tokens).
+    """
+
+    interval_s: float = 10.0
+    _last_time: float | None = None
+    _last_prompt: int = 0
+    _generated: int = 0
+
+    def on_abort(self, request_id: str) -> None:
+        """Nothing to forget: the line has no per-request state."""
+
+    def on_step(self, info: StepInfo) -> None:
+        self._generated += sum(info.new_tokens.values())
+        if self._last_time is None:
+            self._last_time = info.now
+            return
+        elapsed = info.now - self._last_time
+        if elapsed < self.interval_s:
+            return
+        prompt = info.engine.scheduler.stats.num_prompt_tokens_computed
+        if prompt == self._last_prompt and not self._generated and not info.engine.has_unfinished_requests():
+            self._last_time = info.now  # idle: say nothing, as vLLM does
+            return
+        line = self.line(info.engine, (prompt - self._last_prompt) / elapsed, self._generated / elapsed)
+        logger.info(line)
+        self._last_time, self._last_prompt, self._generated = info.now, prompt, 0
+
+    @staticmethod
+    def line(engine, prompt_tps: float, gen_tps: float) -> str:
+        running, waiting, usage = _engine_gauges(engine)
+        hit_rate = engine.scheduler.kv_cache_manager.stats.hit_rate
+        return (
+            f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
+            f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: "
+            f"{100 * usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%"
+        )
