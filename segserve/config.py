@@ -76,6 +76,15 @@ class SchedulerConfig:
         num_batched_tokens_buckets: sorted padding buckets for a step's active tokens; the largest
             must be >= ``max_num_batched_tokens``.
         max_num_partial_prefills: how many requests may be mid-prefill in one step.
+        attention_cost_tokens: 0 (off) or K, turning on the attention-cost-weighted budget (seed 003:
+            "a chunk late in a long prompt attends over a much longer cache"). A chunk of ``n`` tokens
+            after ``p`` computed tokens is charged ``n + n * (p + n) / K`` token-equivalents: its
+            linear work plus its attention over at most ``p + n`` keys, K being the context length
+            at which one token's attention costs as much as its linear work (for SmolLM2 about
+            3,000 by FLOPs: 2 x 106 M non-embedding weights vs 4 x 30 layers x 9 heads x 64 per
+            key; less where attention runs below GEMM speed). Each step may spend
+            ``max_num_batched_cost``; ``max_num_batched_tokens`` stays a hard cap. Decodes are
+            charged but never refused; cost they spend holds prefills back, as tokens do.
     """
 
     max_num_batched_tokens: int = 512
@@ -85,8 +94,14 @@ class SchedulerConfig:
     policy: str = "decode_first"
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     max_num_partial_prefills: int = 4
+    attention_cost_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.attention_cost_tokens < 0:
+            raise ValueError(
+                f"attention_cost_tokens must be >= 0 (0 = token budget only), "
+                f"got {self.attention_cost_tokens}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -124,6 +139,16 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold:
             return min(self.long_prefill_token_threshold, self.max_num_batched_tokens)
         return self.max_num_batched_tokens
+
+    @property
+    def max_num_batched_cost(self) -> float | None:
+        """Per-step cost budget in token-equivalents, or None when cost weighting is off: the cost of a
+        first chunk of the full token budget (``B + B * B / K``), so a prompt's first chunk is never
+        cut and later chunks shrink as the cache they attend over grows."""
+        if not self.attention_cost_tokens:
+            return None
+        b = self.max_num_batched_tokens
+        return b + b * b / self.attention_cost_tokens
 
     def padded_num_tokens(self, num_tokens: int) -> int:
         """Smallest bucket >= ``num_tokens``. Raises ValueError when it exceeds the largest bucket."""

@@ -2,17 +2,19 @@
 
 There is no prefill phase and no decode phase (vLLM v1's design): each request's
 ``num_computed_tokens`` catches up with its tokens under one ``max_num_batched_tokens`` budget per
-step. A decode costs one token; a prompt is computed in chunks (seed 003, chunked prefill). With the
+step. A decode costs one token; a prompt is computed in chunks (seed 003, chunked prefill); with
+``attention_cost_tokens`` set, chunks are also charged their attention cost (see ``_Budget``). With the
 default ``decode_first`` policy, running requests are served first (decodes, then continuing
 prefills) and waiting prompts top up the budget; ``prefill_first`` admits waiting prompts first.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
-from segserve.config import EngineConfig, cdiv
+from segserve.config import EngineConfig, SchedulerConfig, cdiv
 from segserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler_output import (
@@ -135,7 +137,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Mutates request state (``num_computed_tokens`` advances now)."""
-        budget = _Budget(self.sched.max_num_batched_tokens)
+        budget = _Budget.for_step(self.sched)
         preempted: list[Request] = []
         scheduled: list[tuple[Request, int, KVCacheBlocks]] = []
         if self.sched.policy == "prefill_first":
@@ -157,12 +159,16 @@ class Scheduler:
         for request in order:
             if request.status != RequestStatus.RUNNING or budget.left == 0:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, self.sched.chunk_cap, budget.left)
+            wanted = min(request.num_tokens - request.num_computed_tokens, self.sched.chunk_cap)
+            is_decode = request.num_computed_tokens >= request.num_prompt_tokens
+            num_new = budget.grant(wanted, request.num_computed_tokens, is_decode)
+            if num_new == 0:
+                continue
             new_blocks = self._allocate_or_preempt(request, num_new, budget, scheduled, preempted)
             if new_blocks is None:
                 continue
             scheduled.append((request, num_new, new_blocks))
-            budget.left -= num_new
+            budget.charge(num_new, request.num_computed_tokens)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, budget: _Budget, scheduled: list, preempted: list[Request]
@@ -179,7 +185,7 @@ class Scheduler:
             for i, (r, n, _) in enumerate(scheduled):
                 if r is victim:  # already scheduled this step: give its tokens back
                     del scheduled[i]
-                    budget.left += n
+                    budget.refund(n, r.num_computed_tokens)
                     break
             self._preempt(victim)
             preempted.append(victim)
@@ -192,7 +198,9 @@ class Scheduler:
             request = self.waiting[0]
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit
-            num_new = min(remaining, self.sched.chunk_cap, budget.left)
+            num_new = budget.grant(min(remaining, self.sched.chunk_cap), num_hit)
+            if num_new == 0:
+                break
             if num_new < remaining and num_partial >= self.sched.max_num_partial_prefills:
                 break
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_hit, hit_blocks)
@@ -206,7 +214,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             scheduled.append((request, num_new, KVCacheBlocks(hit_blocks.blocks + new_blocks.blocks)))
             num_partial += num_new < remaining
-            budget.left -= num_new
+            budget.charge(num_new, num_hit)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it at the front of the waiting queue (recompute later)."""
@@ -369,6 +377,47 @@ class Scheduler:
 
 @dataclass
 class _Budget:
-    """Tokens left in this step's ``max_num_batched_tokens``."""
+    """What is left of one step's budgets: tokens (``max_num_batched_tokens``, a hard cap) and, with
+    ``attention_cost_tokens`` = K > 0, cost (``max_num_batched_cost`` token-equivalents).
+
+    A chunk of ``n`` tokens after ``p`` computed ones costs ``n + n * (p + n) / K`` (see
+    ``SchedulerConfig``). Costs are held multiplied by K, ``n * K + n * (p + n)``, so they add and
+    subtract exactly in integers.
+    """
 
     left: int
+    total: int
+    cost_k: int = 0  # K; 0 = token budget only
+    cost_left: int = 0  # K x token-equivalents left
+
+    @classmethod
+    def for_step(cls, sched: SchedulerConfig) -> _Budget:
+        b, k = sched.max_num_batched_tokens, sched.attention_cost_tokens
+        return cls(left=b, total=b, cost_k=k, cost_left=b * k + b * b)  # K x (B + B * B / K)
+
+    def grant(self, wanted: int, prior: int, is_decode: bool = False) -> int:
+        """Tokens for a request that wants ``wanted`` tokens after ``prior`` computed ones (0: none).
+
+        Capped by the tokens left and, for a prefill chunk, by the cost left. A decode is never
+        refused for cost (skipping it would only add inter-token latency); a step that has nothing
+        yet gives a chunk at least 1 token, so a prompt progresses even where one token of it costs
+        more than the whole budget.
+        """
+        n = min(wanted, self.left)
+        if not self.cost_k or is_decode or n == 0:
+            return n
+        # Largest m with m * m + m * (K + p) <= cost_left: the root of the quadratic, exact via isqrt.
+        b = self.cost_k + prior
+        affordable = (math.isqrt(b * b + 4 * max(self.cost_left, 0)) - b) // 2
+        floor = 1 if self.left == self.total else 0
+        return max(min(n, affordable), floor)
+
+    def charge(self, n: int, prior: int) -> None:
+        """Spend ``n`` tokens scheduled after ``prior`` computed ones."""
+        self.left -= n
+        self.cost_left -= n * self.cost_k + n * (prior + n) if self.cost_k else 0
+
+    def refund(self, n: int, prior: int) -> None:
+        """Give back what ``charge(n, prior)`` spent (a scheduled request was preempted)."""
+        self.left += n
+        self.cost_left += n * self.cost_k + n * (prior + n) if self.cost_k else 0
