@@ -64,6 +64,7 @@ class LLMEngine:
         num_batched_tokens_buckets: padding buckets for a step's token count.
         attention_backend: ``"segmented"`` or ``"reference"``.
         scheduling_policy: ``"decode_first"`` or ``"prefill_first"``.
+        attention_cost_tokens: 0, or K for the attention-cost-weighted budget (``SchedulerConfig``).
         seed: seeds sampling of requests that give no seed.
 
     Raises:
@@ -88,6 +89,7 @@ class LLMEngine:
         scheduling_policy: str = "decode_first",
         max_num_partial_prefills: int = 4,
         seed: int = 0,
+        attention_cost_tokens: int = 0,
     ) -> None:
         torch_dtype = resolve_dtype(dtype)
         self.config = EngineConfig(
@@ -102,6 +104,7 @@ class LLMEngine:
                 if num_batched_tokens_buckets
                 else None,
                 max_num_partial_prefills=max_num_partial_prefills,
+                attention_cost_tokens=attention_cost_tokens,
             ),
             attention=AttentionConfig(backend=attention_backend, kv_segment_size=kv_segment_size),
         )

@@ -31,6 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-segment-size", type=int, default=512, choices=[512, 1024, 2048, 4096])
     g.add_argument("--attention-backend", default="segmented", choices=["segmented", "reference"])
     g.add_argument("--scheduling-policy", default="decode_first", choices=["decode_first", "prefill_first"])
+    g.add_argument(
+        "--attention-cost-tokens",
+        type=int,
+        default=0,
+        help="charge chunks n + n*(prior+n)/K against a per-step cost budget (K; 0: token budget only)",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -51,4 +57,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
+        attention_cost_tokens=args.attention_cost_tokens,
     )
