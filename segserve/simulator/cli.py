@@ -1,0 +1,323 @@
+"""``segserve simulate``, ``segserve tune`` and ``segserve profile``.
+
+Imports stay light: the simulator is pure Python; ``profile`` and ``simulate --compare-real`` load
+the engine (torch) inside the command only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from segserve.entrypoints.engine_args import add_engine_args
+
+ROOFLINE_MODELS = ("llama-8b", "smollm2-135m")
+
+
+def register(subparsers) -> None:
+    """Add the three subcommands to ``segserve``'s subparsers."""
+    sim = subparsers.add_parser(
+        "simulate", help="simulate continuous batching of a workload (no model needed)"
+    )
+    _workload_args(sim)
+    _sim_args(sim)
+    sim.add_argument("--slo", default=None, help="SLOs for goodput, e.g. itl_p99=50ms,ttft_p99=2s")
+    sim.add_argument("--output-json", default=None, help="write the results here")
+    sim.add_argument("--chrome-trace", default=None, help="write a chrome://tracing JSON of the steps here")
+    sim.add_argument("--plot", default=None, help="write a PNG of KV usage, queues, step times, batch sizes")
+    sim.add_argument(
+        "--compare-real",
+        action="store_true",
+        help="also replay the workload on the real engine in-process and print both",
+    )
+    sim.set_defaults(func=run_simulate)
+
+    tun = subparsers.add_parser("tune", help="search budget x policy x long-prefill cap for the best goodput")
+    _workload_args(tun)
+    _sim_args(tun)
+    tun.add_argument("--slo", required=True, help="e.g. itl_p99=50ms,ttft_p99=2s")
+    tun.add_argument("--budgets", default="128,256,512,1024,2048", help="max_num_batched_tokens values")
+    tun.add_argument("--policies", default="decode_first,prefill_first")
+    tun.add_argument("--caps", default="0,256", help="long_prefill_token_threshold values (0: none)")
+    tun.add_argument("--output-json", default=None)
+    tun.add_argument("--plot", default=None, help="write the goodput/SLO curves as a PNG here")
+    tun.set_defaults(func=run_tune)
+
+    prof = subparsers.add_parser("profile", help="measure this engine's step times and fit a step-time model")
+    prof.add_argument("--output", required=True, help="profile JSON to write")
+    prof.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    prof.add_argument("--samples-out", default=None, help="also write the raw measured steps here")
+    prof.add_argument(
+        "--from-samples", default=None, help="refit from a --samples-out file, measuring nothing"
+    )
+    prof.add_argument("--roofline", default=None, help="write an analytic profile for h100/h200/a100 instead")
+    prof.add_argument("--roofline-model", default="llama-8b", choices=ROOFLINE_MODELS)
+    prof.add_argument("--mfu", type=float, default=0.5, help="roofline: achieved fraction of peak FLOP/s")
+    prof.add_argument("--mbu", type=float, default=0.8, help="roofline: achieved fraction of peak bandwidth")
+    prof.set_defaults(func=run_profile)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default=None, help="Azure .csv or Mooncake .jsonl trace")
+    g.add_argument("--offset", type=int, default=0, help="first trace row to use")
+    g.add_argument("--limit", type=int, default=None, help="trace rows to use")
+    g.add_argument("--rate", type=float, default=None, help="re-time arrivals at this many requests/s")
+    g.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of re-timed arrivals (1: Poisson)"
+    )
+    g.add_argument("--synthetic", type=int, default=None, help="N synthetic requests instead of a trace")
+    g.add_argument("--input-len", type=int, default=1024)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--prefix-len", type=int, default=0, help="shared prefix of synthetic prompts, tokens")
+    g.add_argument("--max-input-len", type=int, default=None, help="clip prompts to this many tokens")
+    g.add_argument("--max-output-len", type=int, default=None, help="clip outputs to this many tokens")
+
+
+def _sim_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    g = p.add_argument_group("simulation")
+    g.add_argument("--profile", default=None, help="step-time profile JSON (default: a built-in CPU guess)")
+    g.add_argument("--num-replicas", type=int, default=1)
+    g.add_argument(
+        "--router", default="round_robin", choices=["round_robin", "least_loaded", "prefix_affinity"]
+    )
+
+
+def load_workload(args: argparse.Namespace):
+    """The workload the flags describe. Raises ValueError when neither --trace nor --synthetic is given."""
+    from segserve.simulator import workload as wl
+
+    if args.synthetic:
+        reqs = wl.synthetic(
+            args.synthetic,
+            args.rate,
+            args.input_len,
+            args.output_len,
+            args.burstiness,
+            args.prefix_len,
+            seed=args.seed,
+        )
+    elif args.trace:
+        reqs = wl.load_trace(args.trace, args.limit, args.offset)
+        if args.rate is not None:
+            reqs = wl.retime(reqs, args.rate, args.burstiness, args.seed)
+    else:
+        raise ValueError("give --trace FILE or --synthetic N")
+    if args.max_input_len or args.max_output_len:
+        reqs = wl.scale_lengths(reqs, args.max_input_len or 1 << 62, args.max_output_len or 1 << 62)
+    return reqs
+
+
+def build_config(args: argparse.Namespace, reqs):
+    """EngineConfig from the engine flags; max_model_len defaults to the longest request."""
+    from segserve.config import AttentionConfig, CacheConfig, EngineConfig, SchedulerConfig
+
+    longest = max(r.input_len + r.output_len for r in reqs)
+    return EngineConfig(
+        cache=CacheConfig(
+            args.block_size,
+            args.num_kv_blocks,
+            int(args.kv_cache_memory * 1024**3),
+            args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len or max(longest, 2),
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            policy=args.scheduling_policy,
+        ),
+        attention=AttentionConfig(args.attention_backend, args.kv_segment_size),
+    )
+
+
+def _step_model(args: argparse.Namespace):
+    from segserve.simulator.step_model import DEFAULT_CPU_MODEL, load_profile
+
+    return load_profile(args.profile) if args.profile else DEFAULT_CPU_MODEL
+
+
+def _kv_blocks(step_model, args):
+    from segserve.simulator.replica import default_num_kv_blocks
+
+    def blocks(cfg) -> int:
+        if cfg.cache.num_kv_blocks is not None:
+            return cfg.cache.num_kv_blocks
+        return default_num_kv_blocks(
+            cfg, step_model.model.kv_bytes_per_token, cfg.cache.kv_cache_memory_bytes
+        )
+
+    return blocks
+
+
+def _finite(d: dict) -> dict:
+    """JSON has no NaN: NaN and inf become None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from segserve.simulator.cluster import simulate
+    from segserve.simulator.metrics import parse_slo, step_summary, summarize
+
+    reqs = load_workload(args)
+    cfg = build_config(args, reqs)
+    model = _step_model(args)
+    num_blocks = _kv_blocks(model, args)(cfg)
+    slos = parse_slo(args.slo) if args.slo else None
+    res = simulate(reqs, cfg, num_blocks, model, args.num_replicas, args.router)
+    summary = summarize(res.requests, slos)
+    result = {
+        "settings": _settings(cfg, num_blocks, args, model),
+        "summary": _finite(summary),
+        "steps": _finite(step_summary(res.steps)),
+        "prefix_hit_rate": res.prefix_hit_rate,
+        "kv_usage_over_time": _downsample([(s.start, s.kv_usage) for s in res.steps], 500),
+    }
+    if args.compare_real:
+        result["real"] = _finite(_run_real(args, reqs, cfg, num_blocks, slos))
+        result["sim_over_real"] = _ratios(result["summary"], result["real"])
+    _write_outputs(args, result, res.steps)
+    print(_line(summary, res))
+    return 0
+
+
+def _settings(cfg, num_blocks, args, model) -> dict:
+    s = cfg.scheduler
+    return {
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "policy": s.policy,
+        "long_prefill_token_threshold": s.long_prefill_token_threshold,
+        "max_num_seqs": s.max_num_seqs,
+        "max_model_len": s.max_model_len,
+        "block_size": cfg.cache.block_size,
+        "num_kv_blocks": num_blocks,
+        "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+        "num_replicas": args.num_replicas,
+        "router": args.router,
+        "profile": model.to_dict(),
+    }
+
+
+def _downsample(points: list, n: int) -> list:
+    step = max(1, len(points) // n)
+    return points[::step]
+
+
+def _line(summary: dict, res) -> str:
+    return (
+        f"[simulate] completed={summary['completed']} failed={summary['failed']} "
+        f"duration={summary['duration']:.1f}s req/s={summary['request_throughput']:.3f} "
+        f"out tok/s={summary['output_throughput']:.1f} ttft median/p99={summary['median_ttft_ms']:.0f}/"
+        f"{summary['p99_ttft_ms']:.0f}ms itl median/p99={summary['median_itl_ms']:.1f}/"
+        f"{summary['p99_itl_ms']:.1f}ms preemptions={summary['num_preemptions']} steps={len(res.steps)}"
+    )
+
+
+def _write_outputs(args, result: dict, steps) -> None:
+    from segserve.simulator.report import plot_run, write_chrome_trace
+
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if args.chrome_trace:
+        write_chrome_trace(steps, args.chrome_trace)
+    if args.plot:
+        plot_run(steps, args.plot)
+
+
+def _run_real(args, reqs, cfg, num_blocks, slos) -> dict:
+    """The same workload on the real engine (in-process, real time); its ``summarize`` dict."""
+    from segserve import LLMEngine
+    from segserve.entrypoints.engine_args import engine_kwargs
+    from segserve.simulator.metrics import summarize
+    from segserve.simulator.replay import replay
+
+    kw = engine_kwargs(args) | {"num_kv_blocks": num_blocks, "max_model_len": cfg.scheduler.max_model_len}
+    engine = LLMEngine(**kw)
+    records, _ = replay(engine, reqs, log=lambda m: print(m, file=sys.stderr))
+    summary = summarize(records, slos)
+    summary["num_preemptions"] = engine.scheduler.stats.num_preemptions
+    return summary
+
+
+def _ratios(sim: dict, real: dict) -> dict:
+    return {k: sim[k] / real[k] for k in sim if isinstance(sim.get(k), float) and real.get(k)}
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from segserve.simulator.metrics import parse_slo
+    from segserve.simulator.report import plot_tune
+    from segserve.simulator.tune import settings, tune
+
+    reqs = load_workload(args)
+    slos = parse_slo(args.slo)
+    grid = settings(_ints(args.budgets, "--budgets"), args.policies.split(","), _ints(args.caps, "--caps", 0))
+    base = build_config(args, reqs)
+    model = _step_model(args)
+    best, rows = tune(reqs, base, _kv_blocks(model, args), model, slos, grid, args.num_replicas, args.router)
+    if args.output_json:
+        out = {"slo": args.slo, "best": best and _finite(best), "rows": [_finite(r) for r in rows]}
+        Path(args.output_json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        plot_tune(rows, args.plot, [s.key for s in slos])
+    if best is None:
+        print(f"[tune] no setting of {len(rows)} meets {args.slo}")
+        return 1
+    print(
+        f"[tune] best of {len(rows)}: max_num_batched_tokens={best['max_num_batched_tokens']} "
+        f"policy={best['policy']} long_prefill_token_threshold={best['long_prefill_token_threshold']} "
+        f"goodput={best['request_goodput']:.3f} req/s " + " ".join(f"{s.key}={best[s.key]:.1f}" for s in slos)
+    )
+    return 0
+
+
+def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < minimum:
+        raise ValueError(f"{flag} needs integers >= {minimum}, got {text!r}")
+    return vals
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from segserve.simulator.step_model import LLAMA_8B, ModelShape, roofline_profile, save_profile
+
+    if args.roofline:
+        shape = LLAMA_8B if args.roofline_model == "llama-8b" else ModelShape(dtype_bytes=2)
+        save_profile(roofline_profile(args.roofline, shape, args.mfu, args.mbu), args.output)
+        print(f"[profile] wrote roofline profile {args.roofline}/{shape.name} to {args.output}")
+        return 0
+    from segserve.simulator.fit import fit_linear
+    from segserve.simulator.profile import measure, model_shape_of, samples_from_json, samples_to_json
+
+    if args.from_samples:
+        data = json.loads(Path(args.from_samples).read_text(encoding="utf-8"))
+        samples, shape = samples_from_json(data["samples"]), ModelShape(**data["model"])
+    else:
+        from segserve.models.loader import load_model
+
+        loaded = load_model(args.model)
+        samples, shape = measure(loaded), ModelShape(**model_shape_of(loaded))
+        if args.samples_out:
+            Path(args.samples_out).write_text(
+                json.dumps({"samples": samples_to_json(samples), "model": asdict_shape(shape)}),
+                encoding="utf-8",
+            )
+    fitted, stats = fit_linear(samples, model=shape, source=f"segserve profile ({len(samples)} steps)")
+    save_profile(fitted, args.output, {"fit": stats})
+    print(
+        f"[profile] {len(samples)} steps, mean |rel err| {stats['mean_abs_rel_err']:.3f}, "
+        f"p90 {stats['p90_abs_rel_err']:.3f}; wrote {args.output}"
+    )
+    return 0
+
+
+def asdict_shape(shape) -> dict:
+    from dataclasses import asdict
+
+    return asdict(shape)

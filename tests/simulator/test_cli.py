@@ -1,0 +1,129 @@
+"""``segserve simulate``, ``tune`` and ``profile --roofline`` on tiny cases; the package imports
+without torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from segserve.entrypoints.cli import main
+from segserve.simulator.step_model import LinearStepModel, save_profile
+
+TINY = ["--synthetic", "30", "--rate", "4", "--input-len", "300", "--output-len", "12", "--prefix-len", "0"]
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "prof.json"
+    save_profile(LinearStepModel({"step": 0.01, "padded_tokens": 1e-4, "decode_ctx": 1e-6}), path)
+    return str(path)
+
+
+def test_simulate_writes_json_trace_and_plot(tmp_path, profile, capsys):
+    out, trace, png = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "p.png"
+    rc = main(
+        [
+            "simulate",
+            *TINY,
+            "--profile",
+            profile,
+            "--max-num-batched-tokens",
+            "256",
+            "--slo",
+            "itl_p99=50ms",
+            "--output-json",
+            str(out),
+            "--chrome-trace",
+            str(trace),
+            "--plot",
+            str(png),
+        ]
+    )
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["summary"]["completed"] == 30 and result["summary"]["total_output_tokens"] == 360
+    assert result["settings"]["max_num_batched_tokens"] == 256
+    assert result["summary"]["request_goodput"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert len([e for e in events if e["ph"] == "X"]) == result["steps"]["num_steps"]
+    assert png.stat().st_size > 10_000
+    assert capsys.readouterr().out.startswith("[simulate] completed=30 failed=0")
+
+
+def test_tune_picks_a_feasible_setting(tmp_path, profile, capsys):
+    out = tmp_path / "tune.json"
+    rc = main(
+        [
+            "tune",
+            *TINY,
+            "--profile",
+            profile,
+            "--slo",
+            "itl_p99=40ms",
+            "--budgets",
+            "64,512",
+            "--policies",
+            "decode_first,prefill_first",
+            "--caps",
+            "0,128",
+            "--output-json",
+            str(out),
+            "--plot",
+            str(tmp_path / "tune.png"),
+        ]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 6  # cap 128 is skipped for budget 64
+    best = data["best"]
+    assert best["meets_slo"] and best["p99_itl_ms"] <= 40
+    assert best["request_goodput"] == max(r["request_goodput"] for r in data["rows"] if r["meets_slo"])
+    assert "[tune] best of 6" in capsys.readouterr().out
+
+
+def test_tune_reports_no_feasible_setting(profile, capsys):
+    rc = main(["tune", *TINY, "--profile", profile, "--slo", "itl_p99=1ms", "--budgets", "64"])
+    assert rc == 1 and "no setting of 2 meets itl_p99=1ms" in capsys.readouterr().out
+
+
+def test_profile_roofline(tmp_path):
+    out = tmp_path / "h100.json"
+    assert main(["profile", "--roofline", "h100", "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "roofline" and data["model"]["name"] == "Llama-3.1-8B"
+    assert data["flops"] == pytest.approx(0.5 * 989e12)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["simulate", "--max-num-batched-tokens", "64"], "give --trace FILE or --synthetic N"),
+        (["tune", *TINY, "--slo", "itl_p99=5ms", "--budgets", "0"], "--budgets needs integers >= 1, got '0'"),
+        (["tune", *TINY, "--slo", "itl_p99=5ms", "--budgets", "x"], "--budgets must be comma-separated"),
+        (["tune", *TINY, "--slo", "speed=5"], "SLO 'speed=5'"),
+        (["simulate", *TINY, "--num-replicas", "0"], "num_replicas must be >= 1, got 0"),
+    ],
+)
+def test_bad_cli_input(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simulator_imports_without_torch_or_numpy():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import segserve.simulator.cluster, segserve.simulator.metrics, segserve.simulator.report\n"
+        "import segserve.simulator.tune, segserve.simulator.cli, segserve.simulator.profile\n"
+        "import segserve.simulator.replay, segserve.simulator.fit\n"
+        "from segserve.simulator.cli import register\n"
+        "from segserve.entrypoints.cli import main\n"
+        "assert main(['simulate', '--synthetic', '5', '--input-len', '50', '--output-len', '3']) == 0\n"
+        "loaded = [m for m in ('torch', 'numpy', 'matplotlib') if sys.modules.get(m) is not None]\n"
+        "assert not loaded, loaded\n"
+        "print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip().endswith("ok"), result.stderr

@@ -1,0 +1,73 @@
+"""Replicas behind a router, and a 1,000-request trace end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from segserve.config import EngineConfig, SchedulerConfig
+from segserve.simulator.cluster import Router, simulate
+from segserve.simulator.metrics import summarize
+from segserve.simulator.replica import default_num_kv_blocks
+from segserve.simulator.step_model import DEFAULT_CPU_MODEL
+from segserve.simulator.workload import TraceRequest, load_trace
+from tests.simulator.helpers import ONE_SECOND_STEPS, config
+
+
+def _prefix_groups() -> list[TraceRequest]:
+    # Three groups of requests sharing a first 512-token block, interleaved in time.
+    return [TraceRequest(float(i), 600, 2, (100 * (i % 3), 1000 + i)) for i in range(9)]
+
+
+def test_round_robin_alternates():
+    res = simulate(
+        _prefix_groups(),
+        config(budget=256, block_size=16, num_blocks=400, max_model_len=1024),
+        400,
+        ONE_SECOND_STEPS,
+        num_replicas=2,
+        router="round_robin",
+    )
+    assert [r.replica for r in res.requests] == [0, 1, 0, 1, 0, 1, 0, 1, 0]
+
+
+def test_prefix_affinity_keeps_groups_together_and_hits_more():
+    cfg = config(budget=256, block_size=16, num_blocks=400, max_model_len=1024)
+    rr = simulate(_prefix_groups(), cfg, 400, ONE_SECOND_STEPS, num_replicas=2, router="round_robin")
+    aff = simulate(_prefix_groups(), cfg, 400, ONE_SECOND_STEPS, num_replicas=2, router="prefix_affinity")
+    groups: dict[int, set[int]] = {}
+    for i, r in enumerate(aff.requests):
+        groups.setdefault(i % 3, set()).add(r.replica)
+    assert all(len(g) == 1 for g in groups.values())
+    # Each group's first request misses; the other six requests hit one 512-token block each.
+    assert aff.prefix_hit_rate == pytest.approx(6 * 512 / (9 * 600))
+    assert rr.prefix_hit_rate < aff.prefix_hit_rate
+
+
+def test_least_loaded_spreads_a_burst():
+    reqs = [TraceRequest(0.0, 200, 50) for _ in range(6)]
+    res = simulate(
+        reqs,
+        config(budget=256, block_size=16, num_blocks=400, max_model_len=1024),
+        400,
+        ONE_SECOND_STEPS,
+        num_replicas=3,
+        router="least_loaded",
+    )
+    assert sorted(r.replica for r in res.requests) == [0, 0, 1, 1, 2, 2]
+    assert len({s.replica for s in res.steps}) == 3
+
+
+def test_unknown_router():
+    with pytest.raises(ValueError, match="router must be one of .* got 'random'"):
+        Router("random", 2)
+
+
+def test_thousand_request_trace():
+    reqs = load_trace("/work/shared/data/traces/azure2023_conv.csv", limit=1000)
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_model_len=8192))
+    blocks = default_num_kv_blocks(cfg, DEFAULT_CPU_MODEL.model.kv_bytes_per_token, 4 * 1024**3)
+    res = simulate(reqs, cfg, blocks, DEFAULT_CPU_MODEL, num_replicas=2, router="least_loaded")
+    s = summarize(res.requests)
+    assert s["completed"] == 1000 and s["failed"] == 0
+    assert s["total_output_tokens"] == sum(r.output_len for r in reqs)
+    assert sum(s.num_tokens for s in res.steps) >= sum(r.input_len + r.output_len - 1 for r in reqs)
