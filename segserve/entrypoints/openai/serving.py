@@ -77,19 +77,22 @@ async def until_disconnected(stream: OutputStream, request: Request) -> AsyncIte
     """Iterate ``stream`` while the client is connected; abort the request if the client leaves or the
     consumer stops early (after vLLM's ``iterate_with_cancellation``)."""
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    nxt = None
     try:
         while True:
             nxt = asyncio.ensure_future(anext(stream, None))
             done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if nxt not in done:
-                nxt.cancel()
                 return
-            out = nxt.result()
+            out, nxt = nxt.result(), None
             if out is None:
                 return
             yield out
     finally:
-        watcher.cancel()
+        # Cancelling (not just dropping) pending tasks keeps them alive until they finish unwinding.
+        for task in (watcher, nxt):
+            if task is not None:
+                task.cancel()
         stream.abort_if_unfinished()
 
 
@@ -149,11 +152,12 @@ class OpenAIServing:
             message = f"messages could not be rendered with the chat template: {exc}"
             raise bad_request(message, "messages") from None
 
-    def check_length(self, num_prompt: int, max_tokens: int | None) -> None:
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
+        """ApiError(400) when the prompt, or prompt + ``max_tokens``, exceeds ``max_model_len``."""
         limit = self.max_model_len
         if num_prompt > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                              f"{num_prompt} tokens", "prompt")
+                              f"{num_prompt} tokens", prompt_param)
         if max_tokens is not None and num_prompt + max_tokens > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens; you requested "
                               f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} "
@@ -181,7 +185,7 @@ class OpenAIServing:
             raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
         params = sampling_params(req, req.max_tokens)
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, req)
-        self.check_length(len(prompt_ids), req.max_tokens)
+        self.check_length(len(prompt_ids), req.max_tokens, "prompt")
         stream = await self._start(prompt_ids, params, "cmpl")
         model = self.names[0]
         if req.stream:
@@ -202,7 +206,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens)
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req)
-        self.check_length(len(prompt_ids), max_tokens)
+        self.check_length(len(prompt_ids), max_tokens, "messages")
         stream = await self._start(prompt_ids, params, "chatcmpl")
         model = self.names[0]
         if req.stream:

@@ -1,0 +1,86 @@
+"""Many clients at once on the tiny model: shared prefixes, a client that leaves mid-stream, a bounded
+load test whose counts must match ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from tests.server.checks import concurrent_shared_prefixes
+from tests.server.harness import SERVED_NAME, metric, run_load, scrape, summarize
+
+
+def test_16_concurrent_streams_with_shared_prefixes(tiny_server, tiny_offline):
+    handle, _ = tiny_server
+    prefix = "The quick brown fox jumps over the lazy dog. Paged attention keeps the cache in blocks;"
+    suffixes = [f" chunk {i} prefill" for i in range(12)] + [" decodes", " split", " a long prompt", " x"]
+    lengths = [3 + (5 * i) % 17 for i in range(16)]
+    usages = concurrent_shared_prefixes(handle, tiny_offline, prefix, suffixes, lengths)
+    assert len(usages) == 16
+
+
+def test_disconnect_mid_stream_frees_blocks_within_1s(tiny_server):
+    handle, throttle = tiny_server
+    before = scrape(handle.base_url)
+    body = {"model": SERVED_NAME, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 90,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    throttle.delay_s = 0.03  # ~3 s for 90 tokens: the client leaves long before the end
+    try:
+        with httpx.Client(base_url=handle.base_url, timeout=30) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                got = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got.append(line)
+                    if len(got) == 3:
+                        break
+                held = handle.usable_blocks - handle.free_blocks()
+                assert held > 0, "the request should hold blocks while it streams"
+        left = time.monotonic()
+        while handle.free_blocks() != handle.usable_blocks and time.monotonic() - left < 1.0:
+            time.sleep(0.01)
+        freed_after = time.monotonic() - left
+    finally:
+        throttle.delay_s = 0.0
+    assert freed_after < 1.0, f"blocks still held {freed_after:.2f} s after the client left"
+    handle.assert_idle_and_clean()
+    after = scrape(handle.base_url)
+    aborted = ("vllm:request_success_total", "abort")
+    assert metric(after, aborted[0], finished_reason=aborted[1]) == 1 + metric(
+        before, aborted[0], finished_reason=aborted[1])
+    # The server keeps serving.
+    r = httpx.post(f"{handle.base_url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_load_200_requests_concurrency_16_and_metrics_match(tiny_server):
+    handle, _ = tiny_server
+    before = scrape(handle.base_url)
+    t0 = time.perf_counter()
+    results = asyncio.run(run_load(handle.base_url, SERVED_NAME, num_requests=200, concurrency=16,
+                                   timeout_s=120))
+    summary = summarize(results, time.perf_counter() - t0)
+    print("load:", summary)
+    assert summary["requests"] == 200 and summary["errors"] == 0, summary
+    assert all(r.done_marker for r in results if r.streamed)
+    assert all(r.completion_tokens == (2, 4, 8)[i % 3] for i, r in enumerate(results))  # ignore_eos
+    assert summary["cached_tokens"] > 0
+    handle.assert_idle_and_clean()
+    after = scrape(handle.base_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="length") == 200
+    assert delta("vllm:generation_tokens_total") == sum(r.completion_tokens for r in results)
+    assert delta("vllm:prompt_tokens_total") == sum(r.prompt_tokens for r in results)
+    assert delta("vllm:prefix_cache_queries_total") == sum(r.prompt_tokens for r in results)
+    assert delta("vllm:prefix_cache_hits_total") == sum(r.cached_tokens for r in results)
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert delta(f"vllm:{hist}_seconds_count") == 200
+    # One inter-token gap per token after the first.
+    assert delta("vllm:inter_token_latency_seconds_count") == sum(r.completion_tokens - 1 for r in results)
+    assert metric(after, "vllm:num_requests_running") == metric(after, "vllm:num_requests_waiting") == 0
+    assert metric(after, "vllm:kv_cache_usage_perc") == 0
