@@ -109,13 +109,18 @@ def test_abort_mid_prefill_then_resend_equals_cold_run(smollm):
 
 
 def test_four_requests_on_a_pool_that_barely_fits_one_all_finish(smollm):
-    prompts = [list(range(3000 + 500 * i, 3000 + 500 * i + 100)) for i in range(4)]
+    prompts = [list(range(3000 + 500 * i, 3000 + 500 * i + 60)) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     alone = LLMEngine(model=smollm, num_kv_blocks=64, enable_prefix_caching=False)
-    expected = [reference_output(alone, p) for p in prompts]
-    # 8 usable blocks of 16 = 128 tokens; each request needs 100 + 8 = 108.
-    eng = LLMEngine(model=smollm, num_kv_blocks=9, max_num_batched_tokens=64, enable_prefix_caching=False)
+    expected = []
     for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, GREEDY)
+        alone.add_request(f"a{i}", p, params)
+        expected.append(finish_all(alone)[f"a{i}"].outputs[0].token_ids)
+    # 8 usable blocks of 16 = 128 tokens; each request grows to 60 + 40 = 100 tokens (7 blocks), so
+    # two admitted requests outgrow the pool at 64 tokens each and the newer one is preempted.
+    eng = LLMEngine(model=smollm, num_kv_blocks=9, max_num_batched_tokens=256, enable_prefix_caching=False)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
     outs = finish_all(eng)
     assert [outs[f"r{i}"].outputs[0].token_ids for i in range(4)] == expected
     # Only running requests newer than the one needing a block are preempted, and the oldest running
