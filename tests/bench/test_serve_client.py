@@ -1,0 +1,103 @@
+"""``segserve bench serve``: metrics from hand-made timings, goodput parsing, arrivals, and the client
+against a stub SSE server (httpx mock transport) and against segserve's own server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from segserve.bench import serve_client as sc
+from segserve.bench.workloads import BenchRequest
+
+
+def test_summary_of_hand_made_timings_uses_vllm_names_and_values():
+    a = sc.RequestTiming(sent=0.0, prompt_tokens=10, chunk_times=[0.1, 0.2, 0.4], output_tokens=3, done=0.4)
+    b = sc.RequestTiming(sent=0.5, prompt_tokens=20, chunk_times=[0.8], output_tokens=1, done=0.8)
+    bad = sc.RequestTiming(sent=0.6, prompt_tokens=5, error="HTTP 400: too long")
+    r = sc.summarize([a, b, bad], duration=2.0, goodput={"ttft": 200.0})
+    assert (r["completed"], r["failed"]) == (2, 1)
+    assert (r["total_input_tokens"], r["total_output_tokens"]) == (30, 4)
+    assert r["request_throughput"] == 1.0 and r["output_throughput"] == 2.0
+    assert r["total_token_throughput"] == 17.0
+    assert r["mean_ttft_ms"] == pytest.approx(200.0) and r["median_ttft_ms"] == pytest.approx(200.0)
+    assert r["mean_tpot_ms"] == pytest.approx(150.0)  # (0.4 - 0.1) / 2, only a has > 1 token
+    assert r["mean_itl_ms"] == pytest.approx(150.0) and r["p99_itl_ms"] == pytest.approx(199.0)
+    assert r["mean_e2el_ms"] == pytest.approx(350.0)
+    assert r["request_goodput"] == 0.5  # a's TTFT 100 ms meets 200 ms; b's 300 ms does not
+    assert r["errors"] == ["HTTP 400: too long"]
+
+
+def test_goodput_parses_vllm_form():
+    parsed = sc.parse_goodput(["ttft:500", "tpot:50", "e2el:2000"])
+    assert parsed == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+    assert sc.parse_goodput(None) == {}
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("ttft=500", "expected METRIC:MS"),
+        ("itl:50", "expected METRIC:MS"),
+        ("ttft:fast", "'fast' is not a number"),
+        ("tpot:0", "must be a finite number > 0 ms"),
+        ("tpot:inf", "must be a finite number > 0 ms"),
+    ],
+)
+def test_bad_goodput_items_are_named(item, message):
+    with pytest.raises(ValueError, match=message):
+        sc.parse_goodput([item])
+
+
+def test_poisson_arrivals_have_the_asked_mean_rate():
+    times = sc.arrival_times(4000, request_rate=4.0, seed=1)
+    assert times[0] == 0.0 and times == sorted(times)
+    assert times[-1] / 3999 == pytest.approx(0.25, rel=0.05)
+    assert sc.arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="request_rate must be > 0 requests/s .* got 0"):
+        sc.arrival_times(3, 0.0)
+    with pytest.raises(ValueError, match="burstiness must be > 0, got -1"):
+        sc.arrival_times(3, 1.0, burstiness=-1)
+
+
+def _stub_transport(gap_s: float = 0.01) -> httpx.MockTransport:
+    """An OpenAI-style server: one SSE text chunk per token every ``gap_s``, a usage chunk, [DONE];
+    prompts over 50 tokens get HTTP 400."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "stub"}]})
+        body = json.loads(request.content)
+        if len(body["prompt"]) > 50 or body["model"] != "stub":
+            return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+
+        async def events():
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(gap_s)
+                yield f'data: {json.dumps({"choices": [{"index": 0, "text": "x"}]})}\n\n'.encode()
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+            yield f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_client_against_a_stub_server_counts_tokens_and_failures():
+    reqs = [BenchRequest(tuple(range(20, 30)), 4), BenchRequest(tuple(range(20, 90)), 3),
+            BenchRequest(tuple(range(20, 25)), 6)]
+    sends = sc.arrival_times(3, 50.0, seed=0)
+    timings, duration = asyncio.run(
+        sc.run_serve("http://stub", reqs, sends, transport=_stub_transport(), progress=False)
+    )
+    r = sc.summarize(timings, duration, {"ttft": 10_000})
+    assert (r["completed"], r["failed"], r["total_output_tokens"], r["total_input_tokens"]) == (2, 1, 10, 15)
+    assert [len(t.chunk_times) for t in timings] == [4, 0, 6]
+    assert "HTTP 400" in timings[1].error
+    assert r["median_itl_ms"] >= 10.0  # the stub sleeps 10 ms between chunks
+    assert r["request_goodput"] == pytest.approx(2 / duration)
+    assert math.isclose(r["request_throughput"], 2 / duration)
