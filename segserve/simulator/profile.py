@@ -31,11 +31,11 @@ class Scenario:
     late_after: int = 2
 
 
-# ~2-3 minutes on 2 cores: prefill chunks at priors up to 4k, decode batches 1-48 at 256-2k context.
+# A few minutes on 2 cores: prefill chunks at priors up to 4k, decode batches 1-48 at 256-2k context.
 DEFAULT_GRID = (
-    Scenario(128, 1024, 1),
-    Scenario(512, 3072, 1),
-    Scenario(1024, 2048, 1),
+    Scenario(128, 768, 1),
+    Scenario(512, 2560, 1),
+    Scenario(1024, 1024, 1),
     Scenario(256, 256, 6, count=1),
     Scenario(256, 256, 6, count=8),
     Scenario(256, 256, 6, count=32),
@@ -47,7 +47,7 @@ DEFAULT_GRID = (
 
 
 def run_scenario(
-    loaded, sc: Scenario, seed: int, num_kv_blocks: int = 1200
+    loaded, sc: Scenario, seed: int, num_kv_blocks: int = 400
 ) -> list[tuple[StepComposition, float]]:
     """Run one scenario on a fresh engine; returns (composition, seconds) per step."""
     from segserve import LLMEngine, SamplingParams

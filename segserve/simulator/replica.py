@@ -141,6 +141,8 @@ class Replica:
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepRecord] = []
         self.outputs_log: list[SchedulerOutput] = []
+        # Records of the requests that finished in the last step (the disaggregated mode hands them on).
+        self.just_finished: list[RequestRecord] = []
         self.keep_outputs = False
 
     @property
@@ -207,10 +209,13 @@ class Replica:
         )
         for rid in out.preempted_req_ids:
             self.records[rid].num_preemptions += 1
+        self.just_finished = []
         for o in sched.update_from_output(out, fake_runner_output(sched, out)):
             rec = self.records[o.req_id]
             rec.token_times.extend([self.clock] * len(o.new_token_ids))
             rec.num_cached_tokens = o.num_cached_tokens
+            if o.finish_reason is not None:
+                self.just_finished.append(rec)
         if self.check:
             sched.check_integrity()
         if self.keep_outputs:

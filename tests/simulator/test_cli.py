@@ -127,3 +127,19 @@ def test_simulator_imports_without_torch_or_numpy():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip().endswith("ok"), result.stderr
+
+
+def test_simulate_disaggregated(tmp_path, profile):
+    out = tmp_path / "d.json"
+    argv = ["simulate", *TINY, "--profile", profile, "--disaggregated", "1:2", "--output-json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["summary"]["completed"] == 30 and result["summary"]["transfers_dropped"] == 0.0
+    assert result["settings"]["disaggregated"] == "1:2"
+    # 300-token prompts: 288 tokens of fp32 SmolLM2 KV (46,080 B/token) over 50 GB/s.
+    assert result["summary"]["mean_transfer_ms"] == pytest.approx(288 * 46080 / 50e9 * 1000)
+
+
+def test_bad_disaggregated_flag(capsys):
+    assert main(["simulate", *TINY, "--disaggregated", "2-6"]) == 2
+    assert "--disaggregated must be P:D replica counts like 2:6, got '2-6'" in capsys.readouterr().err
