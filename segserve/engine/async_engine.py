@@ -163,6 +163,8 @@ class AsyncLLMEngine:
             return fut
         self._commands.put((fn, fut))
         self._wake.set()
+        if self.dead is not None:  # the loop died after the check above: nobody else will drain
+            self._run_commands_failed(EngineDeadError(f"the engine loop has stopped: {self.dead!r}"))
         return fut
 
     async def run(self, fn: Callable[[], T]) -> T:

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 
 from tests.server.checks import concurrent_shared_prefixes
 from tests.server.harness import SERVED_NAME, metric, run_load, scrape, summarize
@@ -26,7 +27,7 @@ def test_disconnect_mid_stream_frees_blocks_within_1s(tiny_server):
     before = scrape(handle.base_url)
     body = {"model": SERVED_NAME, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 90,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    throttle.delay_s = 0.03  # ~3 s for 90 tokens: the client leaves long before the end
+    throttle.delay_s = 0.1  # ~9 s for 90 tokens: the client leaves long before the end
     try:
         with httpx.Client(base_url=handle.base_url, timeout=30) as client:
             with client.stream("POST", "/v1/completions", json=body) as r:
@@ -37,7 +38,7 @@ def test_disconnect_mid_stream_frees_blocks_within_1s(tiny_server):
                     if len(got) == 3:
                         break
                 held = handle.usable_blocks - handle.free_blocks()
-                assert held > 0, "the request should hold blocks while it streams"
+                assert held > 0, f"the request should hold blocks while it streams; got {got}"
         left = time.monotonic()
         while handle.free_blocks() != handle.usable_blocks and time.monotonic() - left < 1.0:
             time.sleep(0.01)
@@ -53,6 +54,24 @@ def test_disconnect_mid_stream_frees_blocks_within_1s(tiny_server):
     # The server keeps serving.
     r = httpx.post(f"{handle.base_url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(tiny_server):
+    handle, throttle = tiny_server
+    body = {"model": SERVED_NAME, "prompt": "The lazy dog", "max_tokens": 90, "temperature": 0,
+            "ignore_eos": True}
+    throttle.delay_s = 0.1
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=0.5)
+        left = time.monotonic()
+        while handle.free_blocks() != handle.usable_blocks and time.monotonic() - left < 1.0:
+            time.sleep(0.01)
+        freed_after = time.monotonic() - left
+    finally:
+        throttle.delay_s = 0.0
+    assert freed_after < 1.0, f"blocks still held {freed_after:.2f} s after the client left"
+    handle.assert_idle_and_clean()
 
 
 def test_load_200_requests_concurrency_16_and_metrics_match(tiny_server):
