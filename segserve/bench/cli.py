@@ -105,7 +105,9 @@ def run_throughput(args: argparse.Namespace) -> int:
         model = tp.load_hf_model(args.model, args.dtype)
         baselines["hf-static"] = tp.run_hf_static(model, workload, args.hf_batch_size, progress).summary()
         if args.hf_cb and tp.hf_has_continuous_batching(model):
-            baselines["hf-cb"] = tp.run_hf_continuous(model, workload, progress).summary()
+            baselines["hf-cb"] = tp.run_hf_continuous(
+                model, workload, args.max_num_batched_tokens, progress
+            ).summary()
     record = {
         "command": "bench throughput", "workload": workload.settings, "machine": machine(),
         "segserve": ours, "baselines": baselines,

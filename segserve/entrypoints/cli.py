@@ -11,7 +11,11 @@ from importlib import resources
 from segserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 # Each module defines ``register(subparsers)`` adding its subcommand; imports stay light (no torch).
-SUBCOMMAND_MODULES: tuple[str, ...] = ("segserve.entrypoints.serve", "segserve.simulator.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = (
+    "segserve.entrypoints.serve",
+    "segserve.simulator.cli",
+    "segserve.bench.cli",
+)
 
 DEFAULT_QUESTIONS = (
     "What does this license say about patents? Answer in two or three sentences.",
