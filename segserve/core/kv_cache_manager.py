@@ -91,12 +91,15 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        if request.num_preemptions == 0:
+        return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup in the prefix-cache stats (once per request, so a
+        request that waits several steps for room, or is preempted and resumed, counts once)."""
+        if self.enable_caching and request.num_preemptions == 0:
             self.stats.requests += 1
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
-        return KVCacheBlocks(tuple(hits)), num_hit_tokens
 
     def allocate_slots(
         self,

@@ -210,6 +210,7 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            self.kv_cache_manager.record_lookup(request, num_hit)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
             scheduled.append((request, num_new, KVCacheBlocks(hit_blocks.blocks + new_blocks.blocks)))

@@ -23,6 +23,7 @@ def run_prefill(kvm: KVCacheManager, req) -> list[int]:
     """Admit ``req`` with its prefix hit, compute its whole prompt, cache its full blocks."""
     hit, num_hit = kvm.get_computed_blocks(req)
     assert kvm.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit) is not None
+    kvm.record_lookup(req, num_hit)
     req.num_computed_tokens = req.num_tokens
     kvm.cache_blocks(req, req.num_computed_tokens)
     kvm.check_integrity()
@@ -55,8 +56,9 @@ def test_shared_prefix_hits_whole_blocks_and_counts_refs():
     hit, num_hit = kvm.get_computed_blocks(b)
     assert hit.get_block_ids() == [1, 2] and num_hit == 8
     assert kvm.allocate_slots(b, 3, num_hit, hit).get_block_ids() == [4]
+    kvm.record_lookup(b, num_hit)
     assert [kvm.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
-    assert kvm.stats.queries == 21 and kvm.stats.hits == 8
+    assert kvm.stats.queries == 21 and kvm.stats.hits == 8 and kvm.stats.requests == 2
     kvm.check_integrity()
 
 

@@ -192,3 +192,14 @@ def test_four_requests_on_a_pool_that_barely_fits_one_all_finish():
     assert [len(r.output_token_ids) for r in reqs] == [40, 40, 40, 40]
     assert reqs[0].num_preemptions == 0
     assert sched.kv_cache_manager.pool.num_free_blocks == 8
+
+
+def test_prefix_cache_stats_count_each_admitted_request_once():
+    # The second request waits two steps for room; its lookup is counted once, when admitted.
+    sched = make_scheduler(num_blocks=9, block_size=16, budget=256)
+    sched.add_request(make_request("a", list(range(100)), max_tokens=2))
+    sched.add_request(make_request("b", list(range(64)) + [7] * 36, max_tokens=2))
+    while sched.has_unfinished_requests():
+        step(sched)
+    stats = sched.kv_cache_manager.stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 200, 64)
