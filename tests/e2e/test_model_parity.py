@@ -57,14 +57,7 @@ def hf_tokenizer(gguf_path):
     )
 
 
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
-    ).eval()
+# ``hf_model`` (transformers on the same GGUF, float32) is the session fixture of conftest.py.
 
 
 @pytest.fixture(scope="module")
