@@ -2,9 +2,12 @@
 
 One replica is the plain single-engine simulation. With several, a router picks a replica per
 request: ``round_robin``; ``least_loaded`` (fewest tokens left to compute or generate); or
-``prefix_affinity`` (requests whose first prefix block is the same go to the same replica, so its
-prefix cache serves them, as in SGLang's cache-aware router and Mooncake's Conductor; requests
-without hash ids fall back to least-loaded).
+``prefix_affinity``: the replica that was sent the longest run of the request's leading Mooncake
+hash blocks before, i.e. whose prefix cache most likely holds them (after SGLang's cache-aware
+router); ties and requests matching nothing go to the least-loaded replica, and so does a request
+whose best match is overloaded (its load above 1.5x the least load plus 4,096 tokens), so one hot
+prefix, like a shared system prompt, cannot pin all traffic on one replica. The router remembers
+what it sent, not what the replica's cache still holds (evictions are not seen).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class Router:
         if policy not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {policy!r}")
         self.policy, self.n, self._next = policy, num_replicas, 0
-        self._affinity: dict[int, int] = {}
+        # Per replica: chained keys of the hash-id prefixes routed to it.
+        self._seen: list[set[int]] = [set() for _ in range(num_replicas)]
 
     def pick(self, req: TraceRequest, replicas: list[Replica]) -> Replica:
         if self.policy == "round_robin":
@@ -61,7 +65,37 @@ class Router:
         least = min(replicas, key=lambda r: (r.load, r.index))
         if self.policy == "least_loaded" or not req.hash_ids:
             return least
-        return replicas[self._affinity.setdefault(req.hash_ids[0], least.index)]
+        keys = _prefix_keys(req.hash_ids)
+        best, best_len = least, 0
+        for r in replicas:
+            n = _match_len(keys, self._seen[r.index])
+            if n > best_len or (n == best_len and n > 0 and r.load < best.load):
+                best, best_len = r, n
+        if best.load > 1.5 * least.load + BALANCE_SLACK_TOKENS:
+            best = least
+        self._seen[best.index].update(keys)
+        return best
+
+
+BALANCE_SLACK_TOKENS = 4096
+
+
+def _prefix_keys(hash_ids: tuple[int, ...]) -> list[int]:
+    """One key per prefix ``hash_ids[:i + 1]``, chained so equal keys mean equal prefixes."""
+    keys, h = [], 0
+    for x in hash_ids:
+        h = hash((h, x))
+        keys.append(h)
+    return keys
+
+
+def _match_len(keys: list[int], seen: set[int]) -> int:
+    n = 0
+    for k in keys:
+        if k not in seen:
+            break
+        n += 1
+    return n
 
 
 def simulate(

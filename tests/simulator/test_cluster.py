@@ -71,3 +71,18 @@ def test_thousand_request_trace():
     assert s["completed"] == 1000 and s["failed"] == 0
     assert s["total_output_tokens"] == sum(r.output_len for r in reqs)
     assert sum(s.num_tokens for s in res.steps) >= sum(r.input_len + r.output_len - 1 for r in reqs)
+
+
+def test_prefix_affinity_does_not_pin_a_hot_system_prompt():
+    # Every request starts with block 0 (a shared system prompt): load balance must still spread them,
+    # while follow-ups of one conversation (0, 1000 + k, ...) go where their longer prefix went.
+    first = [TraceRequest(0.0, 1500, 10, (0, 1000 + k, 2000 + k)) for k in range(4)]
+    follow = [TraceRequest(30.0, 2000, 10, (0, 1000 + k, 2000 + k, 3000 + k)) for k in range(4)]
+    cfg = config(budget=512, block_size=16, num_blocks=2000, max_model_len=8192)
+    res = simulate(first + follow, cfg, 2000, ONE_SECOND_STEPS, num_replicas=2, router="prefix_affinity")
+    replicas = [r.replica for r in res.requests]
+    # Replica 0 takes the shared block until its load (1,510 tokens each) passes 4,096 + 1.5 x 0.
+    assert replicas[:4] == [0, 0, 0, 1]
+    assert replicas[4:] == replicas[:4]
+    # The first prompt's 1,500 tokens are shared; whole 16-token blocks of them: 1,488.
+    assert [r.num_cached_tokens for r in res.requests[4:]] == [1488] * 4
