@@ -98,11 +98,17 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_model_len={self.sched.max_model_len}"
             )
+        # Alone, a request must fit the pool at its longest (the last sampled token needs no slot);
+        # otherwise it would preempt itself forever once it outgrew the pool.
         usable = (self.kv_cache_manager.num_blocks - 1) * self.block_size
-        if request.num_prompt_tokens > usable:
+        max_tokens = request.sampling_params.max_tokens or self.sched.max_model_len
+        longest = min(request.num_prompt_tokens + max_tokens, self.sched.max_model_len) - 1
+        if max(longest, request.num_prompt_tokens) > usable:
             raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens but the KV cache holds at most {usable} "
-                f"tokens ({self.kv_cache_manager.num_blocks - 1} blocks of {self.block_size})"
+                f"request needs up to {max(longest, request.num_prompt_tokens)} tokens of KV cache (prompt "
+                f"{request.num_prompt_tokens} + max_tokens {max_tokens}, capped by max_model_len) but the "
+                f"cache holds at most {usable} ({self.kv_cache_manager.num_blocks - 1} blocks of "
+                f"{self.block_size}); lower max_tokens or max_model_len, or give the cache more memory"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -100,8 +100,8 @@ def test_preemption_refunds_the_victims_cost():
     # 7 usable blocks of 4 tokens; "a" (12 tokens) and "b" (12 tokens) both decode until "a" needs
     # a block: "b" is preempted (after being scheduled) and its token and cost come back.
     sched = make_scheduler(num_blocks=8, block_size=4, budget=32, attention_cost_tokens=64)
-    sched.add_request(make_request("a", list(range(12)), max_tokens=20))
-    sched.add_request(make_request("b", list(range(100, 112)), max_tokens=20))
+    sched.add_request(make_request("a", list(range(12)), max_tokens=16))
+    sched.add_request(make_request("b", list(range(100, 112)), max_tokens=16))
     outs = [step(sched) for _ in range(8)]
     preempted = [o for o in outs if o.preempted_req_ids]
     assert preempted and preempted[0].preempted_req_ids == {"b"}

@@ -164,15 +164,18 @@ def test_bad_requests_leave_state_unchanged():
     sched = make_scheduler(num_blocks=5, block_size=16, max_model_len=100)
     with pytest.raises(ValueError, match="more than max_model_len=100"):
         sched.add_request(make_request("x", list(range(101))))
-    with pytest.raises(ValueError, match="KV cache holds at most 64"):
+    with pytest.raises(ValueError, match="needs up to 68 tokens of KV cache .* holds at most 64"):
         sched.add_request(make_request("y", list(range(65))))
+    with pytest.raises(ValueError, match=r"needs up to 99 tokens of KV cache \(prompt 50 \+ max_tokens 50"):
+        sched.add_request(make_request("w", list(range(50)), max_tokens=50))
+    sched.add_request(make_request("fits", list(range(50)), max_tokens=15))  # 64 slots: just fits
     with pytest.raises(ValueError, match="prompt is empty"):
         make_request("z", [])
     sched.add_request(make_request("ok", list(range(10))))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("ok", list(range(10))))
     step(sched)
-    assert set(sched.requests) == {"ok"}
+    assert set(sched.requests) == {"ok", "fits"}
 
 
 def test_four_requests_on_a_pool_that_barely_fits_one_all_finish():
