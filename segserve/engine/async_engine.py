@@ -224,6 +224,7 @@ class AsyncLLMEngine:
         if self._streams.pop(request_id, None) is None:
             return  # finished or never added
         self.engine.abort_request(request_id)
+        logger.info("aborted request %s", request_id)
         self._generated.pop(request_id, None)
         for observer in self.observers:
             observer.on_abort(request_id)

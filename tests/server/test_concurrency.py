@@ -38,7 +38,13 @@ def test_disconnect_mid_stream_frees_blocks_within_1s(tiny_server):
                     if len(got) == 3:
                         break
                 held = handle.usable_blocks - handle.free_blocks()
-                assert held > 0, f"the request should hold blocks while it streams; got {got}"
+                if held == 0:  # diagnose before the connection closes
+                    eng = handle.engine.engine
+                    state = handle.on_engine(lambda: {rid: (r.status, r.num_computed_tokens)
+                                                      for rid, r in eng.scheduler.requests.items()})
+                    aborts = metric(scrape(handle.base_url), "vllm:request_success_total",
+                                    finished_reason="abort")
+                    raise AssertionError(f"request holds no blocks mid-stream: {state=} {aborts=} {got=}")
         left = time.monotonic()
         while handle.free_blocks() != handle.usable_blocks and time.monotonic() - left < 1.0:
             time.sleep(0.01)

@@ -10,6 +10,7 @@ request, so its KV blocks return to the pool before the next step.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from segserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, Output
 from segserve.entrypoints.openai import protocol as p
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("segserve")
 
 
 @dataclass
@@ -83,6 +86,7 @@ async def until_disconnected(stream: OutputStream, request: Request) -> AsyncIte
             nxt = asyncio.ensure_future(anext(stream, None))
             done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if nxt not in done:
+                logger.info("client of %s disconnected", stream.request_id)
                 return
             out, nxt = nxt.result(), None
             if out is None:
