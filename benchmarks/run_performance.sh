@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The README "Performance" runs, one after another. Each waits (up to WAIT_S seconds) for the
+# 1-minute load average to fall below MAX_LOAD, because the machine is shared and CPU timings
+# under load mean little; the load at the start and end of each run goes to the log.
+#   benchmarks/run_performance.sh [name ...]   # names: throughput stall prefix chunk_tax knob cost_budget
+# To measure a clean commit while the tree is being edited: `git worktree add /tmp/wt HEAD`, then
+# `PY=$PWD/.venv/bin/python /tmp/wt/benchmarks/run_performance.sh` (PYTHONPATH picks the worktree).
+set -u
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+MAX_LOAD=${MAX_LOAD:-1.5}
+WAIT_S=${WAIT_S:-900}
+LOG=results/performance.log
+mkdir -p results docs
+
+declare -A CMD=(
+  [throughput]="$PY -m segserve.entrypoints.cli bench throughput --dataset random --num-prompts 32 --input-len 256 --output-len 64 --range-ratio 0.5 --baseline hf --output-json results/bench_throughput.json --no-progress"
+  [stall]="$PY benchmarks/stall.py"
+  [prefix]="$PY benchmarks/prefix.py"
+  [chunk_tax]="$PY benchmarks/chunk_tax.py"
+  [knob]="$PY benchmarks/knob.py"
+  [cost_budget]="$PY benchmarks/knob.py --dataset mooncake-conv --num-prompts 4 --length-scale 0.5 --output-cap 16 --budgets 512 --policies decode_first --attention-cost-tokens 0,1024 --json results/cost_budget.json --png docs/cost_budget.png"
+)
+ORDER=(throughput stall prefix chunk_tax knob cost_budget)
+
+wait_quiet() {
+  local waited=0
+  while awk -v m="$MAX_LOAD" '{exit !($1 >= m)}' /proc/loadavg; do
+    if (( waited >= WAIT_S )); then echo "load still $(cut -d' ' -f1 /proc/loadavg) after ${WAIT_S}s; running anyway" | tee -a "$LOG"; return; fi
+    sleep 10; waited=$((waited + 10))
+  done
+}
+
+for name in "${@:-${ORDER[@]}}"; do
+  wait_quiet
+  echo "== $name $(date -u +%FT%TZ) load-before $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$LOG"
+  echo "\$ ${CMD[$name]}" >> "$LOG"
+  ${CMD[$name]} 2>>results/performance.stderr | tee -a "$LOG"
+  echo "== $name done $(date -u +%FT%TZ) load-after $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$LOG"
+done
