@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README "Performance" runs, one after another. Each waits (up to WAIT_S seconds) for the
 # 1-minute load average to fall below MAX_LOAD, because the machine is shared and CPU timings
-# under load mean little; the load at the start and end of each run goes to the log.
+# under load mean little; a run whose wait times out is skipped (and logged), not run on a busy
+# machine. The load at the start and end of each run goes to the log.
 #   benchmarks/run_performance.sh [name ...]   # names: throughput stall prefix chunk_tax knob cost_budget
 # To measure a clean commit while the tree is being edited: `git worktree add /tmp/wt HEAD`, then
 # `PY=$PWD/.venv/bin/python /tmp/wt/benchmarks/run_performance.sh` (PYTHONPATH picks the worktree).
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 MAX_LOAD=${MAX_LOAD:-1.5}
-WAIT_S=${WAIT_S:-900}
+WAIT_S=${WAIT_S:-1800}
 LOG=results/performance.log
 mkdir -p results docs
 
@@ -27,13 +28,16 @@ ORDER=(throughput stall prefix chunk_tax knob cost_budget)
 wait_quiet() {
   local waited=0
   while awk -v m="$MAX_LOAD" '{exit !($1 >= m)}' /proc/loadavg; do
-    if (( waited >= WAIT_S )); then echo "load still $(cut -d' ' -f1 /proc/loadavg) after ${WAIT_S}s; running anyway" | tee -a "$LOG"; return; fi
+    if (( waited >= WAIT_S )); then return 1; fi
     sleep 10; waited=$((waited + 10))
   done
 }
 
 for name in "${@:-${ORDER[@]}}"; do
-  wait_quiet
+  if ! wait_quiet; then
+    echo "== $name skipped: load $(cut -d' ' -f1 /proc/loadavg) >= $MAX_LOAD for ${WAIT_S} s" | tee -a "$LOG"
+    continue
+  fi
   echo "== $name $(date -u +%FT%TZ) load-before $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$LOG"
   echo "\$ ${CMD[$name]}" >> "$LOG"
   ${CMD[$name]} 2>>results/performance.stderr | tee -a "$LOG"
