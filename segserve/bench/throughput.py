@@ -16,7 +16,7 @@ For a static batch, prefill is the time to the batch's first token and decode th
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from segserve.bench.workloads import Workload
@@ -71,6 +71,37 @@ def _rate(count: float, seconds: float | None) -> float | None:
 # ---- segserve -------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Tally:
+    """Per-step accounting of a segserve run (the prefill/decode split of the module docstring)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    steps: int = 0
+    seen: dict[str, int] = field(default_factory=dict)  # request id -> output tokens so far
+
+    def record(self, seconds: float, prompt_tokens: int, outs: list) -> int:
+        """Account one step; returns how many requests finished in it."""
+        new = 0
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            new += n - self.seen.get(out.request_id, 0)
+            self.seen[out.request_id] = n
+        if prompt_tokens:
+            self.prefill_s += seconds
+        else:
+            self.decode_s += seconds
+            self.decode_tokens += new
+        self.prompt_tokens += prompt_tokens
+        self.steps += 1
+        done = [o for o in outs if o.finished]
+        self.cached_tokens += sum(o.num_cached_tokens for o in done)
+        return len(done)
+
+
 def run_segserve(engine: Any, workload: Workload, progress: bool = True) -> ThroughputResult:
     """All requests queued at once, then ``engine.step()`` until done (greedy, ``ignore_eos``).
 
@@ -84,44 +115,23 @@ def run_segserve(engine: Any, workload: Workload, progress: bool = True) -> Thro
     if engine.has_unfinished_requests():
         raise ValueError("the engine has unfinished requests; run the benchmark on an idle engine")
     _drain(engine, [("warmup", WARMUP_PROMPT, 2)])
-    jobs = [(f"r{i}", r.prompt_token_ids, r.output_len) for i, r in enumerate(workload.requests)]
-    stats = engine.scheduler.stats
-    t = {"prefill": 0.0, "decode": 0.0}
-    counts = {"decode": 0, "prompt": 0, "steps": 0, "cached": 0}
-    seen: dict[str, int] = {}
+    stats, tally = engine.scheduler.stats, _Tally()
     start = time.perf_counter()
-    for rid, ids, n in jobs:
-        engine.add_request(rid, list(ids), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    with tqdm(total=len(jobs), desc="segserve", unit="req", disable=not progress) as bar:
+    for i, r in enumerate(workload.requests):
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"r{i}", list(r.prompt_token_ids), params)
+    with tqdm(total=len(workload.requests), desc="segserve", unit="req", disable=not progress) as bar:
         while engine.has_unfinished_requests():
-            before = stats.num_prompt_tokens_computed
-            t0 = time.perf_counter()
+            before, t0 = stats.num_prompt_tokens_computed, time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - t0
-            prompt = stats.num_prompt_tokens_computed - before
-            new = _count_new_tokens(outs, seen)
-            t["prefill" if prompt else "decode"] += dt
-            counts["prompt"] += prompt
-            counts["decode"] += 0 if prompt else new
-            counts["steps"] += 1
-            done = [o for o in outs if o.finished]
-            counts["cached"] += sum(o.num_cached_tokens for o in done)
-            bar.update(len(done))
+            bar.update(tally.record(dt, stats.num_prompt_tokens_computed - before, outs))
     seconds = time.perf_counter() - start
     return ThroughputResult(
-        "segserve", len(jobs), counts["prompt"], counts["cached"], sum(seen.values()), seconds,
-        t["prefill"], t["decode"], counts["decode"], {"steps": counts["steps"], "engine": engine.describe()},
+        "segserve", len(workload.requests), tally.prompt_tokens, tally.cached_tokens,
+        sum(tally.seen.values()), seconds, tally.prefill_s, tally.decode_s, tally.decode_tokens,
+        {"steps": tally.steps, "engine": engine.describe()},
     )
-
-
-def _count_new_tokens(outs: list, seen: dict[str, int]) -> int:
-    """Output tokens that appeared in this step's outputs (``seen`` holds counts per request)."""
-    new = 0
-    for out in outs:
-        n = len(out.outputs[0].token_ids)
-        new += n - seen.get(out.request_id, 0)
-        seen[out.request_id] = n
-    return new
 
 
 def _drain(engine: Any, jobs: list[tuple[str, tuple[int, ...], int]]) -> None:
