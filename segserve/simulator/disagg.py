@@ -124,7 +124,8 @@ def simulate_disaggregated(
                     seconds *= disagg.kv_bytes_per_token / disagg.link_bandwidth
                     transfer_s.append(seconds)
                     heapq.heappush(transfers, (rec.token_times[-1] + seconds, i))
-    stats = [r.scheduler.kv_cache_manager.stats for r in dec]
+    # The prefill pool's hits are the prefix-cache reuse; the decode pool "hits" every transferred prompt.
+    stats = [r.scheduler.kv_cache_manager.stats for r in pre]
     queries = sum(s.queries for s in stats)
     hit = sum(s.hits for s in stats) / queries if queries else 0.0
     result = SimResult(
