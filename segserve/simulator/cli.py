@@ -33,6 +33,11 @@ def register(subparsers) -> None:
         action="store_true",
         help="also replay the workload on the real engine in-process and print both",
     )
+    sim.add_argument(
+        "--real-samples-out",
+        default=None,
+        help="with --compare-real: write the real steps as samples for profile --from-samples",
+    )
     sim.set_defaults(func=run_simulate)
 
     tun = subparsers.add_parser("tune", help="search budget x policy x long-prefill cap for the best goodput")
@@ -261,9 +266,16 @@ def _run_real(args, reqs, cfg, num_blocks, slos) -> dict:
     kw = engine_kwargs(args) | {"num_kv_blocks": num_blocks, "max_model_len": cfg.scheduler.max_model_len}
     engine = LLMEngine(**kw)
     _warm_up(engine)
-    records, _ = replay(engine, reqs, log=lambda m: print(m, file=sys.stderr))
+    records, samples = replay(engine, reqs, log=lambda m: print(m, file=sys.stderr))
+    if args.real_samples_out:
+        from segserve.simulator.profile import model_shape_of, samples_to_json
+
+        data = {"samples": samples_to_json(samples), "model": model_shape_of(engine.loaded)}
+        Path(args.real_samples_out).write_text(json.dumps(data), encoding="utf-8")
     summary = summarize(records, slos)
     summary["num_preemptions"] = engine.scheduler.stats.num_preemptions
+    summary["num_steps"] = len(samples)
+    summary["mean_step_time_ms"] = 1000 * sum(t for _, t in samples) / max(len(samples), 1)
     return summary
 
 

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import time
 
-from segserve.simulator.replica import RequestRecord
+from segserve.simulator.replica import RequestRecord, composition
+from segserve.simulator.step_model import StepComposition
 from segserve.simulator.workload import TraceRequest, prompt_token_ids
 
 
-def replay(engine, requests: list[TraceRequest], log=None) -> tuple[list[RequestRecord], list[float]]:
+def replay(
+    engine, requests: list[TraceRequest], log=None
+) -> tuple[list[RequestRecord], list[tuple[StepComposition, float]]]:
     """Run ``requests`` on ``engine`` (an ``LLMEngine``) in real time.
 
     Returns:
-        (one record per request in order, each step's wall duration in seconds).
+        (one record per request in order, each step's composition and wall duration in seconds; the
+        latter are calibration samples for ``fit_linear``, like ``segserve profile``'s).
     """
     from segserve import SamplingParams
 
@@ -28,6 +32,15 @@ def replay(engine, requests: list[TraceRequest], log=None) -> tuple[list[Request
     records = [RequestRecord(f"r{i}", r.arrival, r.input_len, r.output_len) for i, r in enumerate(requests)]
     seen: dict[str, int] = {}
     step_times: list[float] = []
+    compositions: list[StepComposition] = []
+    orig = engine.scheduler.schedule
+
+    def schedule():
+        out = orig()
+        compositions.append(composition(engine.scheduler, out))
+        return out
+
+    engine.scheduler.schedule = schedule
     t0, pos = time.monotonic(), 0
     while pos < len(order) or engine.has_unfinished_requests():
         now = time.monotonic() - t0
@@ -51,4 +64,5 @@ def replay(engine, requests: list[TraceRequest], log=None) -> tuple[list[Request
             rec.num_cached_tokens = out.num_cached_tokens
         if log and len(step_times) % 200 == 0:
             log(f"[replay] {len(step_times)} steps, {pos}/{len(order)} arrived, t={end - t0:.1f} s")
-    return records, step_times
+    engine.scheduler.schedule = orig
+    return records, list(zip(compositions, step_times, strict=True))
