@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import threading
@@ -95,6 +96,9 @@ def running_server(llm_engine, max_waiting_requests: int = 256) -> Iterator[tupl
         thread.join(15)
         engine.shutdown()
         sock.close()
+        # Finalize this server's leftovers (closed event loop, transports) now: a socket finalized
+        # later could close a reused file descriptor of the next server's connection.
+        gc.collect()
 
 
 def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
