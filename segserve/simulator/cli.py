@@ -283,7 +283,8 @@ def _warm_up(engine) -> None:
     """One short request first: the first steps of a fresh engine pay one-time allocation costs."""
     from segserve import SamplingParams
 
-    engine.add_request("warmup", list(range(100, 400)), SamplingParams(max_tokens=4, ignore_eos=True))
+    n = max(1, min(300, engine.max_model_len - 4))
+    engine.add_request("warmup", list(range(100, 100 + n)), SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
 
