@@ -84,3 +84,12 @@ def test_bad_settings_exit_with_a_message(name, flags, message, capsys):
         _script(name).main(flags)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cost_budget_sim(tmp_path, capsys):
+    out = tmp_path / "cbs.json"
+    assert _script("cost_budget_sim").main(["--num-prompts", "6", "--costs", "1024", "--json", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("cost_budget_sim: budget 512")
+    rec = json.loads(out.read_text())
+    assert [r["attention_cost_tokens"] for r in rec["runs"]] == [0, 1024]
+    assert set(rec["ratios"]["1024"]) == {"step_max_over_median", "p99_ttft_ms", "p99_itl_ms"}
