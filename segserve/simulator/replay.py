@@ -62,6 +62,7 @@ def replay(
             rec.token_times.extend([end - t0] * (n - seen.get(out.request_id, 0)))
             seen[out.request_id] = n
             rec.num_cached_tokens = out.num_cached_tokens
+            rec.finish_reason = out.outputs[0].finish_reason
         if log and len(step_times) % 200 == 0:
             log(f"[replay] {len(step_times)} steps, {pos}/{len(order)} arrived, t={end - t0:.1f} s")
     engine.scheduler.schedule = orig

@@ -36,6 +36,8 @@ class RequestRecord:
         num_preemptions: times it was preempted.
         replica: which replica served it.
         error: why it was rejected (None when it was accepted).
+        finish_reason: the scheduler's finish reason once finished (``"length"`` also when
+            ``max_model_len`` cut the output short).
     """
 
     req_id: str
@@ -48,10 +50,13 @@ class RequestRecord:
     num_preemptions: int = 0
     replica: int = 0
     error: str | None = None
+    finish_reason: str | None = None
 
     @property
     def finished(self) -> bool:
-        return self.error is None and len(self.token_times) >= self.output_len
+        return self.error is None and (
+            self.finish_reason is not None or len(self.token_times) >= self.output_len
+        )
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,7 @@ class Replica:
             rec.token_times.extend([self.clock] * len(o.new_token_ids))
             rec.num_cached_tokens = o.num_cached_tokens
             if o.finish_reason is not None:
+                rec.finish_reason = o.finish_reason
                 self.just_finished.append(rec)
         if self.check:
             sched.check_integrity()

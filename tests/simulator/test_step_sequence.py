@@ -119,3 +119,14 @@ def test_request_too_long_is_rejected_not_raised():
 def test_bad_replica_count():
     with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
         simulate([TraceRequest(0.0, 4, 1)], config(), 64, ONE_SECOND_STEPS, num_replicas=0)
+
+
+def test_output_cut_by_max_model_len_counts_as_completed():
+    from segserve.simulator.metrics import summarize
+
+    res = simulate(
+        [TraceRequest(0.0, 250, 20)], config(max_model_len=256, num_blocks=100), 100, ONE_SECOND_STEPS
+    )
+    (rec,) = res.requests
+    assert len(rec.token_times) == 6 and rec.finish_reason == "length"
+    assert summarize(res.requests)["completed"] == 1
