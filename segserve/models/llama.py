@@ -23,6 +23,7 @@ from torch import nn
 
 from segserve.attention.backends import AttentionBackend
 from segserve.attention.metadata import AttentionMetadata
+from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -264,10 +265,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = PackedLinear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.o_proj = PackedLinear(config.q_size, config.hidden_size, bias=False)
         self.attn_backend = attn_backend
 
     def forward(
@@ -292,8 +293,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
@@ -339,12 +340,13 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if config.tie_word_embeddings else PackedLinear(
             config.hidden_size, config.vocab_size, bias=False
         )
         # Built on first use on the input's device: not a buffer, so the loader can build the module
         # on the meta device and ``.to(dtype)`` never rounds the float32 table.
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._packed_lm_head: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -375,7 +377,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits (matmul in the weight dtype)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self._packed_lm_head is not None and hidden.dtype == weight.dtype == torch.bfloat16:
+            return packed_linear(hidden, self._packed_lm_head, None).float()
         return F.linear(hidden, weight).float()
+
+    def prepack_weights(self) -> int:
+        """Pre-pack every projection and the LM head for oneDNN (bfloat16 on CPU; see
+        ``segserve.models.packed_linear``). Idempotent; call again after changing weights.
+
+        Costs one extra copy of the packed weights (the plain ones stay for ``state_dict``).
+        Returns how many weights are packed (0 for float32 weights or without oneDNN).
+        """
+        linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
+        count = sum(m.pack() for m in linears)
+        if self.lm_head is None:  # tied: the LM head reads the embedding matrix
+            self._packed_lm_head = pack_weight(self.embed_tokens.weight)
+        else:
+            self._packed_lm_head = self.lm_head._packed
+        return count + (self.lm_head is None and self._packed_lm_head is not None)
 
     def _rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].device != positions.device:

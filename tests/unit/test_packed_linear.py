@@ -1,0 +1,74 @@
+"""oneDNN-packed bfloat16 linear layers: same numbers as ``F.linear``, float32 left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from segserve.models.packed_linear import PackedLinear, pack_weight, packing_available
+
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+
+def _layer(dtype: torch.dtype, bias: bool) -> PackedLinear:
+    torch.manual_seed(0)
+    layer = PackedLinear(96, 160, bias=bias)
+    return layer.to(dtype)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_matches_f_linear_bitwise(rows: int, bias: bool) -> None:
+    layer = _layer(torch.bfloat16, bias)
+    x = torch.randn(rows, 96).bfloat16()
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert layer.pack() and layer.is_packed
+    got = layer(x)
+    assert got.shape == (rows, 160) and got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+
+
+def test_float32_weights_are_not_packed() -> None:
+    layer = _layer(torch.float32, bias=True)
+    assert not layer.pack() and not layer.is_packed
+    assert pack_weight(layer.weight) is None
+    x = torch.randn(2, 96)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_repack_after_weight_change_and_unpack() -> None:
+    layer = _layer(torch.bfloat16, bias=False)
+    x = torch.randn(2, 96).bfloat16()
+    layer.pack()
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    stale = layer(x)  # the documented hazard: the packed copy still holds the old weight
+    assert not torch.equal(stale, F.linear(x, layer.weight))
+    layer.pack()
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
+    layer.unpack()
+    assert not layer.is_packed and torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+@needs_onednn
+def test_model_prepack_counts_and_keeps_logits() -> None:
+    from segserve.attention.backends import get_attention_backend
+    from segserve.models.llama import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, get_attention_backend("segmented"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    model = model.bfloat16()
+    hidden = torch.randn(3, 32).bfloat16()
+    before = model.compute_logits(hidden)
+    assert model.prepack_weights() == 2 * 4 + 1  # 4 projections per layer + the tied LM head
+    after = model.compute_logits(hidden)
+    assert after.dtype == torch.float32 and torch.equal(before, after)
+    assert model.float().prepack_weights() == 0
