@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -82,36 +84,42 @@ def build_attention_metadata(
     Raises:
         ValueError: when a row does not hold enough blocks or exceeds ``max_blocks_per_seq``.
     """
-    import numpy as np
-
     num_reqs = len(query_lens)
+    q = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)
+    p = np.asarray(prior_tokens, dtype=np.int64).reshape(num_reqs)
+    lens = np.fromiter((len(row) for row in block_ids), dtype=np.int64, count=num_reqs)
+    needed = -(-(p + q) // block_size)
+    bad = np.flatnonzero((lens < needed) | (lens > max_blocks_per_seq))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"request {i}: {lens[i]} blocks for {p[i] + q[i]} tokens (need {needed[i]}, at most "
+            f"{max_blocks_per_seq})"
+        )
+    # Vectorized over all requests (one Python pass only to flatten the rows): the per-request
+    # loop cost ~35 us per request, 2.3 ms for 64 decodes.
     table = np.zeros((num_reqs, max_blocks_per_seq), dtype=np.int32)
-    slots = []
-    for i, (q, p, row) in enumerate(zip(query_lens, prior_tokens, block_ids)):
-        needed = -(-(p + q) // block_size)
-        if len(row) < needed or len(row) > max_blocks_per_seq:
-            raise ValueError(
-                f"request {i}: {len(row)} blocks for {p + q} tokens (need {needed}, at most "
-                f"{max_blocks_per_seq})"
-            )
-        table[i, : len(row)] = row
-        pos = np.arange(p, p + q)
-        slots.append(np.asarray(row, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
-    qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-    qsl[1:] = np.cumsum(query_lens)
+    flat = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int32, count=int(lens.sum()))
+    table[np.arange(max_blocks_per_seq)[None, :] < lens[:, None]] = flat  # row-major fill
+    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q, out=qsl[1:])
     total = int(qsl[-1])
+    req = np.repeat(np.arange(num_reqs), q)  # (T,) request of each row
+    pos = np.arange(total) - np.repeat(qsl[:-1] - p, q)  # (T,) absolute position of each row
+    slots = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    qsl = qsl.astype(np.int32)
     return AttentionMetadata(
         num_actual_tokens=total,
         num_padded_tokens=total if num_padded_tokens is None else num_padded_tokens,
-        slot_mapping=torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, np.int64)),
+        slot_mapping=torch.from_numpy(slots),
         block_table=torch.from_numpy(table),
         query_start_loc=torch.from_numpy(qsl),
-        prior_tokens=torch.tensor(prior_tokens, dtype=torch.int32).view(num_reqs, 1),
-        seq_lens=torch.tensor([p + q for p, q in zip(prior_tokens, query_lens)], dtype=torch.int32),
+        prior_tokens=torch.from_numpy(p.astype(np.int32)).view(num_reqs, 1),
+        seq_lens=torch.from_numpy((p + q).astype(np.int32)),
         max_query_len=max(query_lens, default=0),
         max_prior_tokens=max(prior_tokens, default=0),
         block_size=block_size,
         kv_segment_size=kv_segment_size,
-        query_start_loc_cpu=tuple(int(x) for x in qsl),
-        prior_tokens_cpu=tuple(int(p) for p in prior_tokens),
+        query_start_loc_cpu=tuple(qsl.tolist()),
+        prior_tokens_cpu=tuple(p.tolist()),
     )
