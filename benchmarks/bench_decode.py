@@ -6,7 +6,7 @@ step's time is one ``LLMEngine.step()`` after the prefill step, so it includes t
 with the same prompt: its per-token decode time is ``(t(N tokens) - t(1 token)) / (N - 1)``.
 Variants alternate rep by rep (interleaved), so machine load hits all alike; medians are reported.
 
-Limits (issue 5): the bandwidth limit is weight bytes over memory bandwidth, with the bandwidth
+Limits (issue 5): the bandwidth limit is batch x memory bandwidth over weight bytes, with the bandwidth
 measured in this run (one large tensor copy, read + write bytes) and the nominal 30 GB/s of
 /work/shared/baselines.md both reported. ``--no-prepack`` variants show what the oneDNN weight
 packing (``segserve.models.packed_linear``) is worth.
@@ -137,9 +137,11 @@ def main() -> None:
             samples[name].append(fn())
     ms = {name: statistics.median(v) for name, v in samples.items()}
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    # A step streams every weight once whatever the batch, so the limit scales with the batch
+    # (until compute binds, at ~12-14 sequences here: baselines.md).
     limit_tok_s = {
-        "measured": bandwidth * 1e9 / weight_bytes,
-        "nominal": NOMINAL_BANDWIDTH_GBS * 1e9 / weight_bytes,
+        "measured": args.batch * bandwidth * 1e9 / weight_bytes,
+        "nominal": args.batch * NOMINAL_BANDWIDTH_GBS * 1e9 / weight_bytes,
     }
     tok_s = {name: args.batch * 1e3 / v for name, v in ms.items()}
     result = {
