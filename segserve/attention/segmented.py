@@ -298,6 +298,9 @@ class SegmentedAttentionBackend:
         than the gather itself.
         """
         shape = (2, kv_block_ids.shape[0] // 2, *kv_cache.shape[2:])
+        run = _contiguous_run(kv_block_ids[: shape[1]])
+        if run is not None:  # consecutive block ids: the cache itself is the gathered tensor
+            return kv_cache[:, run : run + shape[1]]  # (2, n_blocks, block_size, Hkv, D) view, no copy
         numel = kv_block_ids.shape[0] * kv_cache[0, 0].numel()
         ws = self._workspace
         if ws is None or ws.numel() < numel or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
@@ -365,6 +368,22 @@ class SegmentedAttentionBackend:
             self._plan = build_step_plan(metadata, kv_cache, self.max_gather_tokens)
             self._plan_key = key
         return self._plan
+
+
+def _contiguous_run(block_ids: torch.Tensor) -> int | None:
+    """First id when ``block_ids`` (1-D) are consecutive ascending ids, else None.
+
+    The pool hands out blocks in free-queue order, so a request that allocated its blocks without
+    others interleaving (any batch-1 request, most prefill chunks) holds runs of consecutive ids;
+    reading those through a view skips the copy that dominates long-context decode steps.
+    """
+    n = block_ids.shape[0]
+    first = int(block_ids[0])
+    if int(block_ids[-1]) - first != n - 1:
+        return None
+    if n > 2 and not bool((block_ids[1:] - block_ids[:-1] == 1).all()):
+        return None
+    return first
 
 
 def kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:

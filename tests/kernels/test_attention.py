@@ -266,3 +266,28 @@ def test_get_attention_backend() -> None:
     assert get_attention_backend("reference").name == "reference"
     with pytest.raises(ValueError, match="'flash'.*reference.*segmented"):
         get_attention_backend("flash")
+
+
+@pytest.mark.parametrize(
+    "qlens, priors", [([1], [700]), ([1, 1], [300, 1100]), ([130], [1030]), ([1, 60], [513, 1500])]
+)
+def test_consecutive_block_ids_read_the_cache_in_place(qlens, priors):
+    """Consecutive block ids take the zero-copy view path; results equal the reference backend."""
+    from segserve.attention.backends import get_attention_backend
+    from segserve.attention.metadata import build_attention_metadata
+
+    torch.manual_seed(3)
+    bs, hq, hkv, d = 16, 9, 3, 64
+    rows, next_id = [], 1
+    for p, q in zip(priors, qlens, strict=True):
+        n = -(-(p + q) // bs)
+        rows.append(list(range(next_id, next_id + n)))
+        next_id += n
+    md = build_attention_metadata(qlens, priors, rows, bs, 128, 512)
+    cache = torch.randn(2, next_id, bs, hkv, d)
+    cache[:, 0] = 0
+    t = sum(qlens)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    ref = get_attention_backend("reference").forward(q, k, v, cache.clone(), md, d**-0.5)
+    got = get_attention_backend("segmented").forward(q, k, v, cache.clone(), md, d**-0.5)
+    assert (got - ref).abs().max().item() < 1e-5
