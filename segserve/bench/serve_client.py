@@ -20,13 +20,12 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from segserve.bench.workloads import BenchRequest
-from segserve.simulator.metrics import percentile
+from segserve.simulator.metrics import latency_stats
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
@@ -191,16 +190,6 @@ async def run_serve(
     return timings, duration
 
 
-def _stats(name: str, seconds: list[float]) -> dict[str, float]:
-    ms = [x * 1000.0 for x in seconds]
-    return {
-        f"mean_{name}_ms": statistics.fmean(ms) if ms else math.nan,
-        f"median_{name}_ms": percentile(ms, 50),
-        f"std_{name}_ms": statistics.pstdev(ms) if ms else math.nan,
-        f"p99_{name}_ms": percentile(ms, 99),
-    }
-
-
 def summarize(timings: list[RequestTiming], duration: float, goodput: dict[str, float] | None = None) -> dict:
     """vLLM ``bench serve`` result fields from the client's timings (see the module docstring)."""
     ok = [t for t in timings if t.ok]
@@ -219,10 +208,10 @@ def summarize(timings: list[RequestTiming], duration: float, goodput: dict[str, 
     if goodput:
         good = sum(_meets(t, goodput) for t in ok)
         result["request_goodput"] = good / duration if duration else math.nan
-    result |= _stats("ttft", [t.ttft for t in ok])
-    result |= _stats("tpot", [t.tpot for t in ok if t.tpot is not None])
-    result |= _stats("itl", [x for t in ok for x in t.itls])
-    result |= _stats("e2el", [t.latency for t in ok])
+    result |= latency_stats("ttft", [t.ttft for t in ok])
+    result |= latency_stats("tpot", [t.tpot for t in ok if t.tpot is not None])
+    result |= latency_stats("itl", [x for t in ok for x in t.itls])
+    result |= latency_stats("e2el", [t.latency for t in ok])
     result["errors"] = sorted({t.error for t in timings if t.error})[:5]
     return result
 

@@ -79,7 +79,9 @@ def _tpot(r: RequestRecord) -> float | None:
     return (r.token_times[-1] - r.token_times[0]) / (n - 1) if n > 1 else None
 
 
-def _stats(name: str, seconds: list[float]) -> dict[str, float]:
+def latency_stats(name: str, seconds: list[float]) -> dict[str, float]:
+    """``{mean,median,std,p90,p99}_{name}_ms`` of latencies given in seconds (vLLM ``bench serve`` keys);
+    NaN for an empty list. Shared by the simulator and ``segserve bench serve``."""
     ms = [x * 1000.0 for x in seconds]
     return {
         f"mean_{name}_ms": statistics.fmean(ms) if ms else math.nan,
@@ -120,10 +122,10 @@ def summarize(requests: list[RequestRecord], slos: list[SLO] | None = None) -> d
     if slos:
         result["request_goodput"] = per_s(sum(meets_request_slos(r, slos) for r in done))
     itls = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
-    result |= _stats("ttft", [r.token_times[0] - r.arrival for r in done])
-    result |= _stats("tpot", [t for t in map(_tpot, done) if t is not None])
-    result |= _stats("itl", itls)
-    result |= _stats("e2el", [r.token_times[-1] - r.arrival for r in done])
+    result |= latency_stats("ttft", [r.token_times[0] - r.arrival for r in done])
+    result |= latency_stats("tpot", [t for t in map(_tpot, done) if t is not None])
+    result |= latency_stats("itl", itls)
+    result |= latency_stats("e2el", [r.token_times[-1] - r.arrival for r in done])
     result["num_preemptions"] = sum(r.num_preemptions for r in requests)
     return result
 
