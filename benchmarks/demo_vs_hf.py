@@ -45,7 +45,9 @@ def hf_run(prompt_ids: list[int], max_tokens: int) -> dict:
     from segserve.models.loader import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ids = torch.tensor([prompt_ids])
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
@@ -72,16 +74,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
+    import gguf
+
     from segserve.entrypoints.cli import DEFAULT_QUESTIONS, default_document
     from segserve.models.loader import default_model_path, tokenizer_from_gguf
-
-    import gguf
 
     path = default_model_path()
     tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(path)), path)
     content = f"Read this document.\n\n{default_document()}\n\nQuestion: {DEFAULT_QUESTIONS[0]}"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     ours = segserve_run(prompt_ids, args.max_tokens, args.budget)
     theirs = hf_run(prompt_ids, args.max_tokens)

@@ -37,7 +37,7 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 4, **params) -> 
 def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
     """Sample ``token`` for every request whose scheduled tokens reach its last token."""
     sampled = {}
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         req = scheduler.requests[rid]
         if req.num_computed_tokens >= req.num_tokens:  # already advanced by schedule()
             sampled[rid] = [token]
