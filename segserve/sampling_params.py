@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
@@ -52,6 +53,14 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or (value is not None and not isinstance(value, int)):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if self.temperature < 0.0:
@@ -76,12 +85,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         self.stop_strings = tuple(stop)
         ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
         if self.temperature < SAMPLING_EPS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import time
 from typing import Any
 
@@ -179,15 +180,24 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty (0 characters); at least 1 token is needed")
-            return prompt, self.tokenizer.encode(prompt)
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except TypeError as exc:  # e.g. a lone surrogate the tokenizer cannot take
+                raise ValueError(f"prompt text cannot be tokenized: {exc}") from None
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(
+                f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            )
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt is empty (0 tokens); at least 1 token is needed")
         vocab = self.loaded.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        return None, ids
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"prompt token id {t!r} is not an int")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        return None, [int(t) for t in ids]
 
     def add_request(
         self,
@@ -204,6 +214,10 @@ class LLMEngine:
                 ``max_model_len`` or the KV cache, duplicate id. Nothing is queued then.
         """
         params = sampling_params or SamplingParams()
+        vocab = self.loaded.config.vocab_size
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary [0, {vocab})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -266,13 +280,32 @@ class LLMEngine:
             self.output_processor.record_scheduled(
                 rid, req.num_computed_tokens - n < req.num_prompt_tokens, now
             )
-        runner_output = self.runner.execute_model(so)
+        try:
+            runner_output = self.runner.execute_model(so)
+        except Exception:
+            self._fail_step(so)
+            raise
         core_outputs = self.scheduler.update_from_output(so, runner_output)
         outputs, stop_hits = self.output_processor.process(core_outputs)
         if stop_hits:
             self.scheduler.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
         self.step_count += 1
         return outputs
+
+    def _fail_step(self, so) -> None:
+        """A step raised: its requests' state advanced without results, so abort them (their blocks
+        go back to the pool) and let the engine go on serving everything else."""
+        parents = {
+            self.output_processor.child_to_parent.get(cid, (None,))[0] for cid in so.num_scheduled_tokens
+        }
+        parents.discard(None)
+        for rid in parents:
+            logger.error("request %s aborted: the step that computed it raised", rid)
+        self.abort_request(sorted(parents))
+        orphans = [cid for cid in so.num_scheduled_tokens if cid in self.scheduler.requests]
+        self.scheduler.finish_requests(orphans, RequestStatus.FINISHED_ABORTED)
+        for cid in so.num_scheduled_tokens:
+            self.runner.requests.pop(cid, None)
 
     def check_integrity(self) -> None:
         """Scheduler and KV cache invariants (AssertionError when broken)."""

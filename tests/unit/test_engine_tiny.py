@@ -34,9 +34,10 @@ def tiny(tmp_path_factory):
 
 def hf_greedy(hf, prompt: list[int], n: int = 10) -> list[int]:
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -53,8 +54,9 @@ def test_tiny_checkpoint_generates_like_transformers(tiny, fmt, budget):
 
 def test_tiny_warm_prefix_run_equals_cold(tiny):
     hf, root = tiny
-    llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=128,
-              block_size=4)
+    llm = LLM(
+        model=str(root / "hf"), num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=128, block_size=4
+    )
     cold = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     warm = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.num_cached_tokens for o in cold] == [0, 0, 0]
@@ -78,3 +80,71 @@ def test_engine_settings_are_checked(tiny):
         LLM(model=str(root / "hf"), dtype="float16")
     with pytest.raises(ValueError, match="attention_backend must be"):
         LLM(model=str(root / "hf"), attention_backend="flash")
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_keeps_serving(tiny, monkeypatch):
+    hf, root = tiny
+    llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
+    engine = llm.llm_engine
+    engine.add_request("doomed", PROMPTS[0], GREEDY)
+    real = engine.runner.execute_model
+
+    def boom(so):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(engine.runner, "execute_model", boom)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "execute_model", real)
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+    assert engine.scheduler.kv_cache_manager.pool.num_free_blocks == 63
+    assert engine.scheduler.kv_cache_manager.pool.cached == {}  # nothing registered for unwritten KV
+    out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, PROMPTS[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+        (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
+        (dict(temperature="0.5"), "temperature must be a finite number, got '0.5'"),
+        (dict(top_p=float("nan")), "top_p must be a finite number"),
+        (dict(logprobs=True), "logprobs must be an int, got True"),
+        (dict(n=True), "n must be an int, got True"),
+        (dict(max_tokens=True), "max_tokens must be an int, got True"),
+        (dict(max_tokens=2.5), "max_tokens must be an int, got 2.5"),
+        (dict(stop=5), "stop must be a string or a list of strings, got 5"),
+        (dict(stop_token_ids=[True]), "stop_token_ids must be non-negative ints"),
+    ],
+)
+def test_sampling_params_reject_nan_bools_and_wrong_types(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([1.0, 2.0], "prompt token id 1.0 is not an int"),
+        ([1, None], "prompt token id None is not an int"),
+        ([True, False], "prompt token id True is not an int"),
+        (None, "a prompt must be a string, a list of token ids or a dict, got NoneType"),
+        (5, "a prompt must be a string, a list of token ids or a dict, got int"),
+    ],
+)
+def test_bad_prompt_types_get_clear_errors(tiny, prompt, message):
+    _, root = tiny
+    llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
+    with pytest.raises(ValueError, match=message):
+        llm.llm_engine.add_request("x", prompt, GREEDY)
+    with pytest.raises(ValueError, match=r"stop_token_ids entry 305 is outside the vocabulary \[0, 300\)"):
+        llm.llm_engine.add_request("y", [1, 2], SamplingParams(stop_token_ids=[305]))
+    import numpy as np
+
+    out = llm.generate(
+        [np.array([5, 6, 7]).tolist(), [np.int64(5), np.int64(6), np.int64(7)]], GREEDY, use_tqdm=False
+    )
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+    assert not llm.llm_engine.has_unfinished_requests()
