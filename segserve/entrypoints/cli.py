@@ -31,7 +31,11 @@ def default_document() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="segserve", description="segserve: prefill-first LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="answer questions about a document (or plain prompts), streaming")
+    gen = sub.add_parser(
+        "generate",
+        help="answer questions about a document (or plain prompts), streaming",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_engine_args(gen)
     gen.add_argument(
         "--document", default=None, help="text file the questions are about (default: Apache-2.0)"
@@ -40,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--prompt", action="append", default=None, help="plain chat message, no document (repeat)"
     )
-    gen.add_argument("--max-tokens", type=int, default=96)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=96, help="tokens to generate per answer")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.set_defaults(func=run_generate)
     for module in SUBCOMMAND_MODULES:
         importlib.import_module(module).register(sub)
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -77,10 +81,11 @@ def run_generate(args: argparse.Namespace) -> int:
     from segserve.engine.llm import chat_prompt_ids
 
     t0 = time.perf_counter()
+    conversations = _messages(args)  # read the document before the model loads: fail fast
     engine = LLMEngine(**engine_kwargs(args))
     print(f"[segserve] loaded in {time.perf_counter() - t0:.1f} s: {engine.describe()}", flush=True)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    for i, messages in enumerate(_messages(args)):
+    for i, messages in enumerate(conversations):
         question = messages[-1]["content"].rsplit("Question: ", 1)[-1]
         print(f"\n### Q{i + 1}: {question}\n", flush=True)
         engine.add_request(f"q{i}", chat_prompt_ids(engine, messages), params)

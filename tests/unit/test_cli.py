@@ -1,0 +1,16 @@
+"""The ``segserve`` command line: errors are one clear line, before any model loads."""
+
+from __future__ import annotations
+
+from segserve.entrypoints.cli import build_parser, main
+
+
+def test_missing_document_is_a_clear_error_not_a_traceback(capsys):
+    assert main(["generate", "--document", "/nonexistent/doc.txt", "--max-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "/nonexistent/doc.txt" in err
+
+
+def test_generate_help_shows_defaults():
+    text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "(default: 96)" in text and "(default: 512)" in text
