@@ -11,6 +11,7 @@ import itertools
 import logging
 import numbers
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from segserve.attention.backends import get_attention_backend
 from segserve.config import AttentionConfig, CacheConfig, EngineConfig, SchedulerConfig
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler import Scheduler
+from segserve.core.scheduler_output import SchedulerOutput
 from segserve.engine.output_processor import OutputProcessor, child_request_id
 from segserve.models.llama import kv_cache_bytes_per_token
 from segserve.models.loader import LoadedModel, load_model
@@ -142,6 +144,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.step_count = 0
+        # Called with each step's SchedulerOutput right after scheduling, while request state still
+        # matches it (profilers and tests read the step's composition here).
+        self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
 
     @staticmethod
     def _finalize_config(config: EngineConfig, max_model_len: int | None, model_len: int) -> EngineConfig:
@@ -274,6 +279,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return the requests that progressed this step."""
         so = self.scheduler.schedule()
+        for observe in self.schedule_observers:
+            observe(so)
         now = time.monotonic()
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]

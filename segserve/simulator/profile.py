@@ -2,7 +2,7 @@
 
 Each scenario builds an ``LLMEngine`` on the shared loaded model, adds requests with chosen lengths
 and times every ``engine.step()``; the step's composition is read from the real scheduler's output
-(``schedule`` is wrapped on the instance to capture it), so the samples are exactly the simulator's
+(an ``LLMEngine.schedule_observers`` hook captures it), so the samples are exactly the simulator's
 features of steps the engine really ran. Scenarios cover prefill chunks under several budgets and
 priors, decode batches of several sizes and contexts, and mixed steps. torch is imported here only,
 lazily, by the engine.
@@ -60,14 +60,7 @@ def run_scenario(
     prompt = prompt_token_ids(TraceRequest(0, sc.prompt_len, 1, (seed,)), 0, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=sc.max_tokens, ignore_eos=True)
     captured: list[StepComposition] = []
-    orig = engine.scheduler.schedule
-
-    def schedule():
-        out = orig()
-        captured.append(composition(engine.scheduler, out))
-        return out
-
-    engine.scheduler.schedule = schedule
+    engine.schedule_observers.append(lambda out: captured.append(composition(engine.scheduler, out)))
     samples: list[tuple[StepComposition, float]] = []
 
     def step() -> None:

@@ -33,14 +33,11 @@ def replay(
     seen: dict[str, int] = {}
     step_times: list[float] = []
     compositions: list[StepComposition] = []
-    orig = engine.scheduler.schedule
 
-    def schedule():
-        out = orig()
+    def observe(out) -> None:
         compositions.append(composition(engine.scheduler, out))
-        return out
 
-    engine.scheduler.schedule = schedule
+    engine.schedule_observers.append(observe)
     t0, pos = time.monotonic(), 0
     while pos < len(order) or engine.has_unfinished_requests():
         now = time.monotonic() - t0
@@ -65,5 +62,5 @@ def replay(
             rec.finish_reason = out.outputs[0].finish_reason
         if log and len(step_times) % 200 == 0:
             log(f"[replay] {len(step_times)} steps, {pos}/{len(order)} arrived, t={end - t0:.1f} s")
-    engine.scheduler.schedule = orig
+    engine.schedule_observers.remove(observe)
     return records, list(zip(compositions, step_times, strict=True))

@@ -113,14 +113,7 @@ def test_one_step_mixes_full_hit_partial_hit_miss_and_decodes(smollm, prompts, h
     eng.add_request("partial", partial, GREEDY)
     eng.add_request("miss", short, GREEDY)
     seen = []
-    original = eng.scheduler.schedule
-
-    def spy():
-        out = original()
-        seen.append(out)
-        return out
-
-    eng.scheduler.schedule = spy
+    eng.schedule_observers.append(seen.append)
     outs = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
