@@ -67,7 +67,6 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.first_scheduled = False
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self.num_preemptions = 0
