@@ -3,7 +3,7 @@
 Shapes: per layer the fused q/k/v (960 x 576), o (576 x 576), fused gate/up (3,072 x 576) and down
 (576 x 1,536), 30 layers, plus the 49,152 x 576 LM head; random weights. Forms: ``F.linear`` in
 float32 and bfloat16, ``torch.mv`` (M = 1 only), oneDNN pre-packed bfloat16
-(``segserve.models.packed_linear``) and MKL pre-packed float32 (``torch.ops.mkl._mkl_linear``).
+and float32 (``segserve.models.packed_linear``) and MKL pre-packed float32 (``torch.ops.mkl._mkl_linear``).
 Forms alternate rep by rep; min and median ms of a whole step, and the weight bytes streamed per
 second at the min. Prints one summary line; writes JSON to ``--out``.
 """
@@ -40,10 +40,11 @@ def forms(rows: int) -> tuple[dict[str, Callable[[], object]], dict[str, int]]:
     if rows == 1:
         fns["f32_mv"] = lambda: [torch.mv(w, x32[w.shape[1]][0]) for w in w32]
         fns["bf16_mv"] = lambda: [torch.mv(w, x16[w.shape[1]][0]) for w in w16]
-    packed = [pack_weight(w) for w in w16]
-    if all(p is not None for p in packed):
-        pairs = list(zip(packed, SHAPES, strict=True))
-        fns["bf16_packed"] = lambda: [packed_linear(x16[s[1]], p, None) for p, s in pairs]
+    for name, weights, xs in (("bf16_packed", w16, x16), ("f32_packed", w32, x32)):
+        packed = [pack_weight(w) for w in weights]
+        if all(p is not None for p in packed):
+            pairs = list(zip(packed, SHAPES, strict=True))
+            fns[name] = lambda pairs=pairs, xs=xs: [packed_linear(xs[s[1]], p, None) for p, s in pairs]
     try:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in w32]
         fns["f32_mkl_packed"] = lambda: [

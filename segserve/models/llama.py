@@ -377,16 +377,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits (matmul in the weight dtype)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self._packed_lm_head is not None and hidden.dtype == weight.dtype == torch.bfloat16:
-            return packed_linear(hidden, self._packed_lm_head, None).float()
+        packed = self._packed_lm_head
+        if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
+            return packed_linear(hidden, packed, None).float()
         return F.linear(hidden, weight).float()
 
     def prepack_weights(self) -> int:
-        """Pre-pack every projection and the LM head for oneDNN (bfloat16 on CPU; see
+        """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
         ``segserve.models.packed_linear``). Idempotent; call again after changing weights.
 
         Costs one extra copy of the packed weights (the plain ones stay for ``state_dict``).
-        Returns how many weights are packed (0 for float32 weights or without oneDNN).
+        Returns how many weights are packed (0 for other dtypes or devices, or without oneDNN).
         """
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         count = sum(m.pack() for m in linears)

@@ -1,15 +1,25 @@
-"""Linear layers with an optional oneDNN pre-packed bfloat16 weight (CPU).
+"""Linear layers with an optional oneDNN pre-packed weight (CPU, float32 or bfloat16).
 
-``F.linear`` with a bfloat16 weight on CPU goes through oneDNN, which reorders the plain row-major
-weight into its blocked layout on every call. For a decode step (M = 1..16 rows) that reorder is
-about as expensive as the product itself: measured here for a 3,072 x 576 weight at M = 1, 0.15 ms
-with ``F.linear`` against 0.07 ms with the weight reordered once (``benchmarks/bench_decode.py``,
-docs/perf.md). Packing once at load time is what PyTorch's inductor does for frozen CPU graphs
-(``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``); the results are bitwise the
-same as ``F.linear`` (same oneDNN kernel, same accumulation order), checked in tests/unit.
+``F.linear`` on CPU sends float32 to MKL's sgemm/sgemv and bfloat16 to oneDNN, which reorders the
+plain row-major bfloat16 weight into its blocked layout on every call. Packing the weight once into
+oneDNN's layout at load time (what PyTorch's inductor does for frozen CPU graphs with
+``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``) pays off for both dtypes,
+most of all at the small row counts of decode steps. ``benchmarks/bench_gemv.py --rows M`` over all
+121 weights of SmolLM2-135M (streamed from memory, 2 threads, idle machine), ms per pass:
 
-Float32 weights are left alone: MKL's packed sgemm was only faster at the packed row count and
-changes the summation order.
+=========  =============  ===========  ===========
+rows (M)   F.linear fp32  packed fp32  packed bf16
+=========  =============  ===========  ===========
+1          44.1           25.3         14.0
+2          75.9           31.1         13.7
+8          65.3           39.5         13.6
+512        832            686          326
+=========  =============  ===========  ===========
+
+MKL's sgemm is a poor fit below ~16 rows (M = 2 costs twice M = 1); oneDNN's packed kernel streams
+the weight once for all rows. bfloat16 results are bitwise those of ``F.linear`` (the same oneDNN
+kernel); float32 results differ from MKL's only in summation order (~1e-6 relative), checked in
+tests/unit/test_packed_linear.py and by the float32 parity suite against ``transformers``.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_available() -> bool:
@@ -30,16 +42,17 @@ def packing_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN-blocked copy of a ``(out, in)`` bfloat16 CPU weight; None when it cannot be packed
-    (other dtype or device, or no oneDNN). The copy is opaque (``torch._mkldnn`` layout)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not packing_available():
+    """oneDNN-blocked copy of a ``(out, in)`` float32 or bfloat16 CPU weight; None when it cannot be
+    packed (other dtype or device, or no oneDNN). The copy is opaque (``torch._mkldnn`` layout)."""
+    if weight.dtype not in PACKABLE_DTYPES or weight.device.type != "cpu" or not packing_available():
         return None
     # The batch-size hint only steers oneDNN's layout choice; any row count works with the result.
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T + b`` for ``x`` ``(M, in)`` bfloat16 with ``W`` from :func:`pack_weight` -> ``(M, out)``."""
+    """``x @ W^T + b`` for ``x`` ``(M, in)`` in the weight's dtype, ``W`` from :func:`pack_weight`
+    -> ``(M, out)``."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
@@ -57,7 +70,8 @@ class PackedLinear(nn.Linear):
         return self._packed is not None
 
     def pack(self) -> bool:
-        """Make (or refresh) the packed copy; returns whether there is one (bfloat16 CPU weights)."""
+        """Make (or refresh) the packed copy; returns whether there is one (float32 or bfloat16 CPU
+        weights with oneDNN available)."""
         self._packed = pack_weight(self.weight)
         return self._packed is not None
 
@@ -66,6 +80,7 @@ class PackedLinear(nn.Linear):
         self._packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+        # The dtype check also keeps a copy packed before ``model.to(dtype)`` from being used.
+        if self._packed is not None and x.dtype == self.weight.dtype == self._packed.dtype:
             return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
