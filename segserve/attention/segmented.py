@@ -143,8 +143,10 @@ class _DecodeCall:
     """One batched gather + attention: sorted decodes ``[first, last)`` over the segment at ``start``.
 
     ``kv_rows`` ``[2 * (last - first) * blocks]`` are the cache rows to gather (:func:`kv_rows` of the
-    blocks, request-major); ``mask`` is the additive ``[last - first, 1, 1, blocks * block_size]`` mask,
-    None when every slot is valid.
+    blocks, request-major); ``run`` is the first block id when those blocks are consecutive ids (read
+    through a view, no gather), else None. ``mask`` is the additive
+    ``[last - first, 1, 1, blocks * block_size]`` mask, None when every slot is valid or when the call
+    has one decode, whose K/V are instead cut to its ``tokens`` valid slots (no mask to apply).
     """
 
     start: int
@@ -152,7 +154,9 @@ class _DecodeCall:
     last: int
     blocks: int
     kv_rows: torch.Tensor
+    run: int | None
     mask: torch.Tensor | None
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,9 @@ class _StepPlan:
     decode_rows: torch.Tensor  # (n_decodes,) int64 batch rows, longest prior first
     decode_calls: tuple[_DecodeCall, ...]
     chunks: tuple[int, ...]  # requests with query length > 1
+    # Every row of the step is a decode and they are already in walk order (batch 1 is): the decode
+    # result is the layer's output as it stands, with no scatter into a zeroed buffer.
+    decodes_fill_step: bool
 
 
 class SegmentedAttentionBackend:
@@ -212,11 +219,14 @@ class SegmentedAttentionBackend:
         """
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         plan = self._step_plan(metadata, kv_cache)
-        out = torch.zeros_like(q)
-        cdtype = kv_cache.dtype
+        out_dtype, cdtype = q.dtype, kv_cache.dtype
         q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
+        if plan.decodes_fill_step:
+            return self._decode_result(q, kv_cache, plan, scale).view(q.shape).to(out_dtype)
+        out = torch.zeros_like(q, dtype=out_dtype)
         if plan.decode_rows.numel():
-            self._decodes(q, kv_cache, plan, scale, out)
+            result = self._decode_result(q, kv_cache, plan, scale)  # (n, Hkv, G, D) float32
+            out.index_copy_(0, plan.decode_rows, result.view(-1, *q.shape[1:]).to(out.dtype))
         qsl, seg = metadata.query_start_loc_cpu, metadata.kv_segment_size
         for i in plan.chunks:
             r0, r1 = qsl[i], qsl[i + 1]
@@ -312,35 +322,31 @@ class SegmentedAttentionBackend:
 
     # --- decodes (query length 1) --------------------------------------------------------------------
 
-    def _decodes(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: _StepPlan,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        """All decodes of the step at once; writes their rows of ``out`` ``[T_padded, Hq, D]``.
+    def _decode_result(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float
+    ) -> torch.Tensor:
+        """All decodes of the step at once: ``[n, Hkv, G, D]`` (float32, or q's dtype for a single
+        call), row ``j`` for batch row ``plan.decode_rows[j]``.
 
         A decode's own K/V is already in the cache (slot ``prior``), so its causal part is just one
         more cached token: the walk covers ``prior + 1`` tokens and needs no separate self-attention.
         """
         rows, hkv, calls = plan.decode_rows, kv_cache.shape[3], plan.decode_calls
         n, hq, d = rows.shape[0], q.shape[1], q.shape[2]
-        qd = q.index_select(0, rows).view(n, hkv, hq // hkv, d)  # (n, Hkv, G, D): group as query length
+        qd = q[:n] if plan.decodes_fill_step else q.index_select(0, rows)
+        qd = qd.view(n, hkv, hq // hkv, d)  # (n, Hkv, G, D): the query group as query length
         if len(calls) == 1:  # one segment, one gather: nothing to combine
-            result, _ = self._decode_call(qd, kv_cache, calls[0], scale)
-        else:
-            result = torch.empty(n, hkv, hq // hkv, d, dtype=torch.float32, device=q.device)
-            acc_lse = torch.empty(n, hkv, hq // hkv, dtype=torch.float32, device=q.device)
-            for call in calls:
-                o, lse = self._decode_call(qd, kv_cache, call, scale)
-                part = slice(call.first, call.last)
-                if call.start == 0:  # the first segment covers every decode: it opens the walk
-                    result[part], acc_lse[part] = o, lse
-                else:
-                    merge_partials(result[part], acc_lse[part], o, lse)
-        out.index_copy_(0, rows, result.reshape(n, hq, d).to(out.dtype))
+            return self._decode_call(qd, kv_cache, calls[0], scale)[0]
+        result = torch.empty(n, hkv, hq // hkv, d, dtype=torch.float32, device=q.device)
+        acc_lse = torch.empty(n, hkv, hq // hkv, dtype=torch.float32, device=q.device)
+        for call in calls:
+            o, lse = self._decode_call(qd, kv_cache, call, scale)
+            part = slice(call.first, call.last)
+            if call.start == 0:  # the first segment covers every decode: it opens the walk
+                result[part], acc_lse[part] = o, lse
+            else:
+                merge_partials(result[part], acc_lse[part], o, lse)
+        return result
 
     def _decode_call(
         self, qd: torch.Tensor, kv_cache: torch.Tensor, call: _DecodeCall, scale: float
@@ -355,7 +361,11 @@ class SegmentedAttentionBackend:
         """K, V of one decode call as ``[n_call, Hkv, blocks * block_size, D]`` views of the workspace."""
         hkv, d = kv_cache.shape[3:]
         n_call = call.last - call.first
-        kv = self._gather_blocks(kv_cache, call.kv_rows).view(2, n_call, -1, hkv, d)  # (2, n, L, Hkv, D)
+        if call.run is not None:  # consecutive blocks: the cache itself, no copy
+            kv = kv_cache[:, call.run : call.run + n_call * call.blocks]
+        else:
+            kv = self._gather_blocks(kv_cache, call.kv_rows)
+        kv = kv.reshape(2, n_call, -1, hkv, d)[:, :, : call.tokens]  # (2, n, L, Hkv, D)
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (n_call, Hkv, L, D) each
 
     # --- per-step plan -------------------------------------------------------------------------------
@@ -368,6 +378,12 @@ class SegmentedAttentionBackend:
             self._plan = build_step_plan(metadata, kv_cache, self.max_gather_tokens)
             self._plan_key = key
         return self._plan
+
+
+def _run_start(ids: list[int]) -> int | None:
+    """First id when ``ids`` are consecutive ascending ids, else None (the list form of
+    :func:`_contiguous_run`, for plans built once per step)."""
+    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
 
 
 def _contiguous_run(block_ids: torch.Tensor) -> int | None:
@@ -414,7 +430,8 @@ def build_step_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, max_gat
         for start in range(0, walk[0], seg):
             calls += _segment_calls(table, walk, start, seg, kv_cache, max_gather_tokens)
     chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
-    return _StepPlan(decode_rows=rows, decode_calls=tuple(calls), chunks=chunks)
+    fill = not chunks and len(decodes) == metadata.num_padded_tokens and decodes == sorted(decodes)
+    return _StepPlan(decode_rows=rows, decode_calls=tuple(calls), chunks=chunks, decodes_fill_step=fill)
 
 
 def _segment_calls(
@@ -436,8 +453,12 @@ def _segment_calls(
     for first in range(0, len(valid), per_call):
         last = min(first + per_call, len(valid))
         ids = table[first:last, start // block_size : start // block_size + blocks].reshape(-1)
-        mask = _tail_mask(valid[first:last], width, kv_cache.dtype, kv_cache.device)
-        calls.append(_DecodeCall(start, first, last, blocks, kv_rows(ids, num_blocks), mask))
+        run = _run_start(ids.tolist())
+        if last - first == 1:  # one decode: cut its K/V to the valid slots instead of masking
+            mask, tokens = None, valid[first]
+        else:
+            mask, tokens = _tail_mask(valid[first:last], width, kv_cache.dtype, kv_cache.device), width
+        calls.append(_DecodeCall(start, first, last, blocks, kv_rows(ids, num_blocks), run, mask, tokens))
     return calls
 
 

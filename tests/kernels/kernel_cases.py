@@ -43,13 +43,17 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     pad: int = 0,
     seed: int = 0,
+    consecutive_blocks: bool = False,
 ) -> Case:
-    """A step whose requests own shuffled blocks; ``pad`` extra rows of random padding queries."""
+    """A step whose requests own shuffled blocks (or, with ``consecutive_blocks``, ascending runs of
+    ids, as a pool hands them to requests that allocate alone); ``pad`` extra rows of random padding
+    queries."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     needed = [-(-(p + n) // block_size) for p, n in zip(priors, query_lens, strict=True)]
     num_blocks = sum(needed) + 5  # spare blocks that no request owns
-    ids = (torch.randperm(num_blocks, generator=gen) + 1).tolist()
+    order = torch.arange(num_blocks) if consecutive_blocks else torch.randperm(num_blocks, generator=gen)
+    ids = (order + 1).tolist()
     rows, used = [], 0
     for n in needed:
         rows.append(ids[used : used + n])

@@ -150,9 +150,10 @@ def test_seed_partial_segment_example_walks_three_full_segments_and_512_tokens(m
     monkeypatch.setattr(segmented, "attention_with_lse", spy)
     # A chunk: its causal part, then the 3 full segments in one batched call, then the 512 valid
     # tokens of the partial one. A decode: its own token is already cached, so it walks 3585 tokens:
-    # 3 full segments, then 513 valid tokens gathered as 5 blocks of 128 (640 slots), the rest masked.
+    # 3 full segments, then 513 valid tokens (5 blocks of 128 read, cut to 513: a lone decode needs
+    # no mask; batched decodes of unequal lengths are masked, see the next test).
     chunk = [(1, 16, True, False), (3, 1024, False, False), (1, 512, False, False)]
-    decode = [(1, 1024, False, False)] * 3 + [(1, 640, False, True)]
+    decode = [(1, 1024, False, False)] * 3 + [(1, 513, False, False)]
     for query_len, expected in ((16, chunk), (1, decode)):
         calls.clear()
         case = make_case([query_len], [3584], block_size=128, seg=1024, seed=11)
@@ -175,9 +176,32 @@ def test_decode_segments_only_cover_requests_whose_prior_reaches_them(monkeypatc
     out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, cache, case.metadata, case.scale)
     torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
     # Each decode walks prior + 1 tokens (its own is cached): 5001, 2048, 2001, 101. Calls are
-    # (decodes in the call, gathered width, masked): all 4, then 3, then only the longest, whose last
-    # segment holds 905 tokens in 57 blocks of 16 (912 slots), so it is masked.
-    assert calls == [(4, 1024, True), (3, 1024, True), (1, 1024, False), (1, 1024, False), (1, 912, True)]
+    # (decodes in the call, keys, masked): all 4, then 3, then only the longest, whose last segment
+    # holds 905 tokens (57 blocks of 16 read, cut to 905: alone in its call, it needs no mask).
+    assert calls == [(4, 1024, True), (3, 1024, True), (1, 1024, False), (1, 1024, False), (1, 905, False)]
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize(
+    ("priors", "pad"),
+    [
+        ([700], 0),  # batch 1: the result is the layer output as it stands (no scatter)
+        ([2100, 900, 40], 0),  # already longest-first: also no scatter
+        ([40, 2100, 900], 0),  # out of walk order: scattered back to its rows
+        ([2100, 900, 40], 3),  # padding rows: must come back as zeros
+    ],
+)
+def test_decode_only_steps_in_any_order_with_and_without_gathers(
+    priors: list[int], pad: int, consecutive: bool
+) -> None:
+    case = make_case([1] * len(priors), priors, block_size=16, seg=512, pad=pad, seed=3,
+                     consecutive_blocks=consecutive)
+    cache = case.cache.clone()
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, cache, case.metadata, case.scale)
+    assert out.shape == case.q.shape
+    n = len(priors)
+    torch.testing.assert_close(out[:n], sdpa_oracle(case, case.cache)[:n], **FP32_TOL)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
 
 
 def test_math_path_matches_cpu_flash_and_the_formula() -> None:
