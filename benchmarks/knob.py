@@ -8,16 +8,20 @@ the attention-cost-weighted budget is meant to narrow on long prompts. Figure: p
 ITL per setting (the trade-off curve), p50 beside it.
 
     .venv/bin/python benchmarks/knob.py             # azure-conv, 12 requests at 0.4/s, 6 settings
-    .venv/bin/python benchmarks/knob.py --dataset mooncake-conv --num-prompts 4 --length-scale 0.5 \\
-        --output-cap 16 --budgets 512 --policies decode_first --attention-cost-tokens 0,1024 \\
-        --json results/cost_budget.json --png docs/cost_budget.png
+    .venv/bin/python benchmarks/knob.py --dataset mooncake-conv --num-prompts 8 --length-scale 0.5 \\
+        --output-cap 32 --request-rate 0.1 --budgets 128,256,512 --policies decode_first \\
+        --attention-cost-tokens 0,1024 --json results/cost_budget.json --png docs/cost_budget.png
+    # runs measured in several invocations, plotted together (no measuring):
+    .venv/bin/python benchmarks/knob.py --plot-from a.json b.json --json all.json --png all.png
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 import sys
+from pathlib import Path
 
 from segserve.bench import experiment as ex
 
@@ -56,6 +60,7 @@ def run_setting(loaded, args, requests, budget: int, policy: str, cost_k: int) -
 
 def plot(runs: list[dict], path: str) -> None:
     fig, axes = ex.new_figure(ncols=2)
+    runs = sorted(runs, key=lambda r: (r["policy"], r["attention_cost_tokens"], r["budget"]))
     for stat, ax in zip(("p99", "p50"), axes, strict=True):
         keyed = itertools.groupby(runs, key=lambda r: (r["policy"], r["attention_cost_tokens"]))
         for (policy, cost_k), group in keyed:
@@ -86,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="64,256,1024")
     p.add_argument("--policies", default="decode_first,prefill_first")
     p.add_argument("--attention-cost-tokens", default="0", help="comma list; 0 = token budget only")
+    p.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
+                   help="measure nothing: merge the runs of these earlier records, plot and summarize them")
     args = p.parse_args(argv)
     if args.output_cap < 1:
         p.error(f"--output-cap must be >= 1, got {args.output_cap}")
+    if args.plot_from:
+        return _replot(args)
     loaded = ex.load(args)
     max_len = min(8192, loaded.config.max_position_embeddings)
     w = make_workload(args.dataset, args.num_prompts, vocab_size=loaded.config.vocab_size,
@@ -99,6 +108,25 @@ def main(argv: list[str] | None = None) -> int:
     settings = list(itertools.product(args.policies.split(","), _ints(args.attention_cost_tokens),
                                       _ints(args.budgets)))
     runs = [run_setting(loaded, args, requests, b, pol, k) for pol, k, b in settings]
+    record = {"settings": vars(args), "workload": w.settings, "runs": runs}
+    _report(args, record, f"{args.dataset} x{args.num_prompts} at {args.request_rate}/s")
+    return 0
+
+
+def _replot(args) -> int:
+    """``--plot-from``: one record, figure and summary line from earlier records' runs."""
+    records = [json.loads(Path(path).read_text()) for path in args.plot_from]
+    runs = [run for rec in records for run in rec["runs"]]
+    first = records[0]["settings"]
+    record = {"settings": vars(args), "merged_from": args.plot_from, "workload": records[0].get("workload"),
+              "runs": runs}
+    _report(args, record, f"{first['dataset']} x{first['num_prompts']} at {first['request_rate']}/s (merged)")
+    return 0
+
+
+def _report(args, record: dict, what: str) -> None:
+    """Plot ``record["runs"]``, add ratios to the first run, print one line and save the record."""
+    runs = record["runs"]
     plot(runs, args.png)
     base = runs[0]
     parts = [
@@ -106,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         f"step max/med {r['step_max_over_median']:.1f}"
         for r in runs
     ]
-    line = (f"knob: {args.dataset} x{args.num_prompts} at {args.request_rate}/s; " + "; ".join(parts)
-            + f"; load {ex.load_1min():.2f}")
+    line = f"knob: {what}; " + "; ".join(parts) + f"; load {ex.load_1min():.2f}"
     ratios = {
         _label(r): {
             "ttft_p99": r["ttft"]["p99_ms"] / base["ttft"]["p99_ms"],
@@ -116,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         for r in runs
     }
-    record = {"settings": vars(args), "workload": w.settings, "runs": runs, "ratios_to_first_run": ratios}
+    record["ratios_to_first_run"] = ratios
     ex.finish(args, "knob", record, line)
-    return 0
 
 
 if __name__ == "__main__":

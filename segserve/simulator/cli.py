@@ -49,6 +49,11 @@ def register(subparsers) -> None:
     tun.add_argument("--caps", default="0,256", help="long_prefill_token_threshold values (0: none)")
     tun.add_argument("--output-json", default=None)
     tun.add_argument("--plot", default=None, help="write the goodput/SLO curves as a PNG here")
+    tun.add_argument(
+        "--verify-real",
+        action="store_true",
+        help="run the recommended setting on the real engine (in-process, real time) and check the SLO",
+    )
     tun.set_defaults(func=run_tune)
 
     prof = subparsers.add_parser("profile", help="measure this engine's step times and fit a step-time model")
@@ -142,6 +147,7 @@ def build_config(args: argparse.Namespace, reqs):
             max_model_len=args.max_model_len or max(longest, 2),
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy,
+            attention_cost_tokens=args.attention_cost_tokens,
         ),
         attention=AttentionConfig(args.attention_backend, args.kv_segment_size),
     )
@@ -217,6 +223,7 @@ def _settings(cfg, num_blocks, args, model) -> dict:
         "max_num_batched_tokens": s.max_num_batched_tokens,
         "policy": s.policy,
         "long_prefill_token_threshold": s.long_prefill_token_threshold,
+        "attention_cost_tokens": s.attention_cost_tokens,
         "max_num_seqs": s.max_num_seqs,
         "max_model_len": s.max_model_len,
         "block_size": cfg.cache.block_size,
@@ -303,13 +310,13 @@ def run_tune(args: argparse.Namespace) -> int:
     grid = settings(_ints(args.budgets, "--budgets"), args.policies.split(","), _ints(args.caps, "--caps", 0))
     base = build_config(args, reqs)
     model = _step_model(args)
-    best, rows = tune(reqs, base, _kv_blocks(model, args), model, slos, grid, args.num_replicas, args.router)
-    if args.output_json:
-        out = {"slo": args.slo, "best": best and _finite(best), "rows": [_finite(r) for r in rows]}
-        Path(args.output_json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    blocks = _kv_blocks(model, args)
+    best, rows = tune(reqs, base, blocks, model, slos, grid, args.num_replicas, args.router)
+    out = {"slo": args.slo, "best": best and _finite(best), "rows": [_finite(r) for r in rows]}
     if args.plot:
         plot_tune(rows, args.plot, [s.key for s in slos])
     if best is None:
+        _write_json(args.output_json, out)
         print(f"[tune] no setting of {len(rows)} meets {args.slo}")
         return 1
     print(
@@ -317,7 +324,39 @@ def run_tune(args: argparse.Namespace) -> int:
         f"policy={best['policy']} long_prefill_token_threshold={best['long_prefill_token_threshold']} "
         f"goodput={best['request_goodput']:.3f} req/s " + " ".join(f"{s.key}={best[s.key]:.1f}" for s in slos)
     )
-    return 0
+    status = 0
+    if args.verify_real:
+        real = _verify_real(args, reqs, base, blocks, slos, best)
+        out["real"] = _finite(real)
+        met = real["meets_slo"]
+        print(
+            f"[tune] on the real engine: {'meets' if met else 'MISSES'} {args.slo}: "
+            + " ".join(f"{s.key}={real[s.key]:.1f}" for s in slos)
+            + f" goodput={real['request_goodput']:.3f} req/s"
+        )
+        status = 0 if met else 2
+    _write_json(args.output_json, out)
+    return status
+
+
+def _verify_real(args, reqs, base, blocks, slos, best: dict) -> dict:
+    """Replay the workload on the real engine with ``best``'s setting; its summary + ``meets_slo``."""
+    from segserve.simulator.metrics import slo_met
+
+    chosen = argparse.Namespace(**vars(args))
+    chosen.max_num_batched_tokens = best["max_num_batched_tokens"]
+    chosen.scheduling_policy = best["policy"]
+    chosen.long_prefill_token_threshold = best["long_prefill_token_threshold"]
+    chosen.real_samples_out = None
+    cfg = build_config(chosen, reqs)
+    real = _run_real(chosen, reqs, cfg, blocks(cfg), slos)
+    real["meets_slo"] = slo_met(real, slos) and real["failed"] == 0
+    return real
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
