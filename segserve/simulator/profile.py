@@ -112,11 +112,13 @@ def model_shape_of(loaded) -> dict:
 
 
 def samples_to_json(samples: list[tuple[StepComposition, float]]) -> list[dict]:
-    """Samples as JSON rows: ``{"seconds", "padded", "slices": [[prior, chunk, is_decode, samples]]}``."""
+    """Samples as JSON rows: ``{"seconds", "padded", "gathered", "slices": [[prior, chunk, is_decode,
+    samples]]}``."""
     return [
         {
             "seconds": t,
             "padded": c.padded_tokens,
+            "gathered": c.gathered_tokens,
             "slices": [[s.prior, s.chunk, s.is_decode, s.samples] for s in c.slices],
         }
         for c, t in samples
@@ -124,10 +126,13 @@ def samples_to_json(samples: list[tuple[StepComposition, float]]) -> list[dict]:
 
 
 def samples_from_json(rows: list[dict]) -> list[tuple[StepComposition, float]]:
-    """Inverse of ``samples_to_json``."""
+    """Inverse of ``samples_to_json`` (files written before ``gathered`` existed read it as 0)."""
     from segserve.simulator.step_model import RequestSlice
 
     return [
-        (StepComposition(tuple(RequestSlice(*s) for s in r["slices"]), r["padded"]), r["seconds"])
+        (
+            StepComposition(tuple(RequestSlice(*s) for s in r["slices"]), r["padded"], r.get("gathered", 0)),
+            r["seconds"],
+        )
         for r in rows
     ]

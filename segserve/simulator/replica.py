@@ -106,7 +106,63 @@ def composition(scheduler: Scheduler, out: SchedulerOutput) -> StepComposition:
                 prior, n, n == 1 and prior >= req.num_prompt_tokens, req.num_computed_tokens >= req.num_tokens
             )
         )
-    return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded)
+    rows = [scheduler.kv_cache_manager.get_block_ids(rid) for rid in out.num_scheduled_tokens]
+    gathered = segmented_gather_tokens(
+        slices, rows, scheduler.block_size, scheduler.config.attention.kv_segment_size
+    )
+    return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded, gathered)
+
+
+# The segmented kernel's bound on one batched decode gather (``attention.segmented.MAX_GATHER_TOKENS``;
+# not imported, as that module needs torch).
+_MAX_GATHER_TOKENS = 32768
+
+
+def _consecutive(ids: list[int]) -> bool:
+    return ids == list(range(ids[0], ids[0] + len(ids)))
+
+
+def segmented_gather_tokens(
+    slices: list[RequestSlice], block_rows: list[list[int]], block_size: int, seg: int
+) -> int:
+    """Cached tokens the segmented attention kernel copies per layer in a step with these slices.
+
+    The kernel reads a run of consecutive block ids in place and gathers anything else (see
+    ``segserve.attention.segmented``): decodes, longest first, in one call per segment over the
+    request-major ids of every decode reaching it; a prefill chunk over its prior blocks. This walks
+    the same plan over the real block ids, so the step-time model can charge the copies.
+
+    Args:
+        slices: the step's requests in scheduling order.
+        block_rows: each request's block ids (after this step's allocation), same order.
+        block_size: tokens per block; seg: ``kv_segment_size`` in tokens.
+
+    Returns:
+        Gathered tokens (whole blocks) per layer.
+    """
+    gathered = 0
+    decodes = sorted(
+        ((s.prior + 1, row) for s, row in zip(slices, block_rows, strict=True) if s.chunk == 1),
+        key=lambda d: -d[0],
+    )
+    if decodes:
+        for start in range(0, decodes[0][0], seg):
+            reach = [row for walk, row in decodes if walk > start]
+            blocks = cdiv(min(seg, decodes[0][0] - start), block_size)
+            first = start // block_size
+            per_call = max(1, _MAX_GATHER_TOKENS // (blocks * block_size))
+            for i in range(0, len(reach), per_call):
+                group = reach[i : i + per_call]
+                # Rows shorter than the longest are padded with the null block in the block table.
+                ids = [b for row in group for b in (row + [0] * blocks)[first : first + blocks]]
+                if not _consecutive(ids):
+                    gathered += len(group) * blocks * block_size
+    for s, row in zip(slices, block_rows, strict=True):
+        if s.chunk > 1 and s.prior > 0:
+            ids = row[: cdiv(s.prior, block_size)]
+            if not _consecutive(ids):
+                gathered += len(ids) * block_size
+    return gathered
 
 
 def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:

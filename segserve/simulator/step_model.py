@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-FEATURES = ("step", "padded_tokens", "sampled", "requests", "prefill_attn", "decode_ctx")
+FEATURES = ("step", "padded_tokens", "sampled", "requests", "prefill_attn", "decode_ctx", "gathered_kv")
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,13 @@ class StepComposition:
     Attributes:
         slices: one entry per scheduled request, in scheduling order.
         padded_tokens: rows of the padded batch (the padding bucket), tokens.
+        gathered_tokens: cached tokens the attention kernel copies out of non-consecutive blocks
+            in each layer (``segmented_gather_tokens``); 0 when unknown.
     """
 
     slices: tuple[RequestSlice, ...]
     padded_tokens: int
+    gathered_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -66,11 +69,14 @@ class StepComposition:
 
     def features(self) -> tuple[float, ...]:
         """The ``FEATURES`` vector: (1, padded rows, sampled rows, requests, prefill q-k pairs,
-        decode context tokens)."""
+        decode context tokens, gathered KV tokens)."""
         attn = sum(s.chunk * (s.prior + (s.chunk + 1) / 2) for s in self.slices if not s.is_decode)
         ctx = sum(s.prior + 1 for s in self.slices if s.is_decode)
         sampled = sum(1 for s in self.slices if s.samples)
-        return (1.0, float(self.padded_tokens), float(sampled), float(len(self.slices)), attn, float(ctx))
+        return (
+            1.0, float(self.padded_tokens), float(sampled), float(len(self.slices)), attn, float(ctx),
+            float(self.gathered_tokens),
+        )
 
 
 class StepTimeModel(Protocol):
@@ -172,7 +178,7 @@ class RooflineStepModel:
 
     def predict(self, comp: StepComposition) -> float:
         m = self.model
-        _, padded, _, nreq, attn_pairs, ctx = comp.features()
+        _, padded, _, nreq, attn_pairs, ctx, _ = comp.features()
         # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
         attn_flops = 4 * m.num_layers * m.num_heads * m.head_dim * (attn_pairs + ctx)
         compute = (2 * m.num_params * padded + attn_flops) / self.flops

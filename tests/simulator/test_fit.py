@@ -16,6 +16,7 @@ TRUE = {
     "requests": 4e-4,
     "prefill_attn": 6e-7,
     "decode_ctx": 2e-6,
+    "gathered_kv": 3e-7,
 }
 
 
@@ -30,7 +31,8 @@ def _random_steps(n: int, seed: int = 0) -> list[StepComposition]:
         ]
         slices = tuple(decodes + prefills)
         total = sum(s.chunk for s in slices)
-        steps.append(StepComposition(slices, total + rng.randrange(0, 32)))
+        gathered = rng.choice([0, 16 * rng.randrange(1, 400)])
+        steps.append(StepComposition(slices, total + rng.randrange(0, 32), gathered))
     return steps
 
 
@@ -64,7 +66,7 @@ def test_negative_coefficient_is_dropped_to_zero():
 
 def test_bad_input():
     steps = _random_steps(3)
-    with pytest.raises(ValueError, match="need at least 6 samples to fit 6 features, got 3"):
+    with pytest.raises(ValueError, match="need at least 7 samples to fit 7 features, got 3"):
         fit_linear([(c, 1.0) for c in steps])
     with pytest.raises(ValueError, match="step durations must be > 0 s"):
         fit_linear([(c, 0.0) for c in _random_steps(10)])
