@@ -21,7 +21,7 @@ declare -A CMD=(
   [prefix]="$PY benchmarks/prefix.py"
   [chunk_tax]="$PY benchmarks/chunk_tax.py"
   [knob]="$PY benchmarks/knob.py"
-  [cost_budget]="$PY benchmarks/knob.py --dataset mooncake-conv --num-prompts 4 --length-scale 0.5 --output-cap 16 --budgets 512 --policies decode_first --attention-cost-tokens 0,1024 --json results/cost_budget.json --png docs/cost_budget.png"
+  [cost_budget]="$PY benchmarks/knob.py --dataset mooncake-conv --num-prompts 8 --length-scale 0.5 --output-cap 32 --request-rate 0.1 --budgets 128,256,512 --policies decode_first --attention-cost-tokens 0,1024 --json results/cost_budget.json --png docs/cost_budget.png"
 )
 ORDER=(throughput stall prefix chunk_tax knob cost_budget)
 
