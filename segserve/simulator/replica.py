@@ -9,6 +9,7 @@ whose output processor stamps tokens after the model ran.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from segserve.config import EngineConfig, cdiv
@@ -106,7 +107,8 @@ def composition(scheduler: Scheduler, out: SchedulerOutput) -> StepComposition:
                 prior, n, n == 1 and prior >= req.num_prompt_tokens, req.num_computed_tokens >= req.num_tokens
             )
         )
-    rows = [scheduler.kv_cache_manager.get_block_ids(rid) for rid in out.num_scheduled_tokens]
+    held = scheduler.kv_cache_manager.req_to_blocks
+    rows = [_BlockIds(held.get(rid, [])) for rid in out.num_scheduled_tokens]
     gathered = segmented_gather_tokens(
         slices, rows, scheduler.block_size, scheduler.config.attention.kv_segment_size
     )
@@ -118,12 +120,41 @@ def composition(scheduler: Scheduler, out: SchedulerOutput) -> StepComposition:
 _MAX_GATHER_TOKENS = 32768
 
 
-def _consecutive(ids: list[int]) -> bool:
-    return ids == list(range(ids[0], ids[0] + len(ids)))
+class _BlockIds(Sequence[int]):
+    """A request's block ids, read from its block objects only where sliced (a step's rows are
+    mostly never looked at: the in-place check stops at the first break)."""
+
+    def __init__(self, blocks: list) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [b.block_id for b in self.blocks[index]]
+        return self.blocks[index].block_id
+
+
+def _in_place(rows: Sequence[Sequence[int]], first: int, blocks: int) -> bool:
+    """True when the blocks ``[first, first + blocks)`` of ``rows``, request-major (each row padded
+    with the null block 0), are consecutive ids: the kernel reads them in place. Stops at the first
+    break, which under serving traffic is almost always within the first two rows."""
+    expect = None
+    for row in rows:
+        part = list(row[first : first + blocks])
+        if len(part) < blocks:
+            part = part + [0] * (blocks - len(part))
+        if expect is None:
+            expect = part[0]
+        if part[0] != expect or part != list(range(expect, expect + blocks)):
+            return False
+        expect += blocks
+    return True
 
 
 def segmented_gather_tokens(
-    slices: list[RequestSlice], block_rows: list[list[int]], block_size: int, seg: int
+    slices: Sequence[RequestSlice], block_rows: Sequence[Sequence[int]], block_size: int, seg: int
 ) -> int:
     """Cached tokens the segmented attention kernel copies per layer in a step with these slices.
 
@@ -153,15 +184,13 @@ def segmented_gather_tokens(
             per_call = max(1, _MAX_GATHER_TOKENS // (blocks * block_size))
             for i in range(0, len(reach), per_call):
                 group = reach[i : i + per_call]
-                # Rows shorter than the longest are padded with the null block in the block table.
-                ids = [b for row in group for b in (row + [0] * blocks)[first : first + blocks]]
-                if not _consecutive(ids):
+                if not _in_place(group, first, blocks):
                     gathered += len(group) * blocks * block_size
     for s, row in zip(slices, block_rows, strict=True):
         if s.chunk > 1 and s.prior > 0:
-            ids = row[: cdiv(s.prior, block_size)]
-            if not _consecutive(ids):
-                gathered += len(ids) * block_size
+            blocks = cdiv(s.prior, block_size)
+            if not _in_place([row], 0, blocks):
+                gathered += blocks * block_size
     return gathered
 
 
