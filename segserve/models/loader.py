@@ -102,7 +102,8 @@ def load_model(
 
     Raises:
         FileNotFoundError: when the path does not exist or the default model is not installed.
-        ValueError: on an unsupported architecture or a checkpoint whose tensors do not match its config.
+        ValueError: on an unsupported architecture, a checkpoint whose tensors do not match its config,
+            or a file that is not a readable GGUF (the message names the file).
     """
     path = default_model_path() if model is None else Path(model)
     if isinstance(attn_backend, str):
@@ -120,7 +121,10 @@ def load_model(
 def _load_gguf(path: Path, dtype: torch.dtype, backend: AttentionBackend) -> LoadedModel:
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, struct.error, IndexError... on a bad file
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     config = config_from_gguf(reader)
     model = build_model(config, gguf_state_dict(reader, config, dtype), backend)
     tokenizer = tokenizer_from_gguf(reader, path)

@@ -147,6 +147,18 @@ def test_gguf_matches_transformers(tmp_path, tokenizer, monkeypatch):
     assert diff.abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_unreadable_gguf_error_names_the_file(tmp_path, tokenizer, damage):
+    # Regression: gguf's own message ("file appears to be version 1651663207 ...") named no file.
+    good = tmp_path / "tiny.gguf"
+    write_tiny_gguf(good, tiny_hf_model("llama"), tokenizer)
+    bad = tmp_path / f"{damage}.gguf"
+    bad.write_bytes(b"GGUF not really" if damage == "garbage" else good.read_bytes()[:2000])
+    with pytest.raises(ValueError, match=rf"{bad}: not a readable GGUF file \(") as err:
+        load_model(bad)
+    assert type(err.value.__cause__).__name__ in ("ValueError", "IndexError", "error")
+
+
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_gguf_tokenizer_equals_transformers(tmp_path, tokenizer, add_bos):
     from transformers import AutoTokenizer
