@@ -229,6 +229,12 @@ class LLMEngine:
         text, prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        taken = [cid for cid in child_ids if cid != request_id and cid in self.scheduler.requests]
+        if taken:
+            raise ValueError(
+                f"request id {request_id!r} with n={params.n} needs the internal id {taken[0]!r} for "
+                "one of its completions, and a running request already uses it; choose another id"
+            )
         core_params, salt = self._with_extra_eos(params), cache_salt
         requests = [
             Request(cid, prompt_ids, self._child_params(core_params, i), self.eos_token_id, arrival, salt)

@@ -148,3 +148,22 @@ def test_bad_prompt_types_get_clear_errors(tiny, prompt, message):
     )
     assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_n_gt_1_child_id_collision_names_the_request_and_harms_nothing(tiny):
+    # Regression: with "1_x" already running, adding "x" with n=2 failed with "'1_x' is already in use",
+    # naming an id the caller never passed, after half-adding the request.
+    _, root = tiny
+    engine = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128).llm_engine
+    engine.add_request("1_x", PROMPTS[0], GREEDY)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"request id 'x' with n=2 needs the internal id '1_x'"):
+        engine.add_request("x", PROMPTS[1], params)
+    assert sorted(engine.scheduler.requests) == ["1_x"]
+    engine.add_request("y", PROMPTS[1], params)  # a free id with n=2 works
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert sorted(outs) == ["1_x", "y"] and len(outs["y"].outputs) == 2
+    engine.check_integrity()
