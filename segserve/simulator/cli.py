@@ -52,7 +52,8 @@ def register(subparsers) -> None:
     tun.add_argument(
         "--verify-real",
         action="store_true",
-        help="run the recommended setting on the real engine (in-process, real time) and check the SLO",
+        help="run the recommended setting on the real engine (in-process, real time) and check the SLO; "
+        "exit status 3 when it misses there",
     )
     tun.set_defaults(func=run_tune)
 
@@ -305,6 +306,12 @@ def run_tune(args: argparse.Namespace) -> int:
     from segserve.simulator.report import plot_tune
     from segserve.simulator.tune import settings, tune
 
+    if args.disaggregated:
+        raise ValueError("tune searches colocated replicas; --disaggregated is for simulate only")
+    if args.verify_real and args.num_replicas != 1:
+        raise ValueError(
+            f"--verify-real runs one real engine, so it needs --num-replicas 1, got {args.num_replicas}"
+        )
     reqs = load_workload(args)
     slos = parse_slo(args.slo)
     grid = settings(_ints(args.budgets, "--budgets"), args.policies.split(","), _ints(args.caps, "--caps", 0))
@@ -312,11 +319,17 @@ def run_tune(args: argparse.Namespace) -> int:
     model = _step_model(args)
     blocks = _kv_blocks(model, args)
     best, rows = tune(reqs, base, blocks, model, slos, grid, args.num_replicas, args.router)
-    out = {"slo": args.slo, "best": best and _finite(best), "rows": [_finite(r) for r in rows]}
+    out = {
+        "slo": args.slo,
+        "settings": _settings(base, blocks(base), args, model),
+        "best": best and _finite(best),
+        "rows": [_finite(r) for r in rows],
+    }
+    # Written now, so the simulated rows survive a real run that fails (a bad --model, say).
+    _write_json(args.output_json, out)
     if args.plot:
         plot_tune(rows, args.plot, [s.key for s in slos])
     if best is None:
-        _write_json(args.output_json, out)
         print(f"[tune] no setting of {len(rows)} meets {args.slo}")
         return 1
     print(
@@ -334,9 +347,14 @@ def run_tune(args: argparse.Namespace) -> int:
             + " ".join(f"{s.key}={real[s.key]:.1f}" for s in slos)
             + f" goodput={real['request_goodput']:.3f} req/s"
         )
-        status = 0 if met else 2
-    _write_json(args.output_json, out)
+        status = 0 if met else VERIFY_MISSED
+        _write_json(args.output_json, out)
     return status
+
+
+# Exit status of ``tune --verify-real`` when the recommendation misses its SLO on the real engine
+# (1: nothing feasible in simulation; 2: bad input, as argparse uses).
+VERIFY_MISSED = 3
 
 
 def _verify_real(args, reqs, base, blocks, slos, best: dict) -> dict:
@@ -381,8 +399,20 @@ def run_profile(args: argparse.Namespace) -> int:
     from segserve.simulator.profile import measure, model_shape_of, samples_from_json, samples_to_json
 
     if args.from_samples:
-        data = json.loads(Path(args.from_samples).read_text(encoding="utf-8"))
-        samples, shape = samples_from_json(data["samples"]), ModelShape(**data["model"])
+        if Path(args.output).resolve() == Path(args.from_samples).resolve():
+            raise ValueError(f"--output {args.output} would overwrite the --from-samples file; pick another")
+        try:
+            data = json.loads(Path(args.from_samples).read_text(encoding="utf-8"))
+            rows, shape = data["samples"], ModelShape(**data["model"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"--from-samples {args.from_samples}: not a samples file from --samples-out or "
+                f"--real-samples-out ({type(e).__name__}: {e})"
+            ) from None
+        samples = samples_from_json(rows)
+        if rows and not any("gathered" in r for r in rows):
+            print("[profile] note: these samples predate the gathered_kv feature; it is fitted as 0",
+                  file=sys.stderr)
     else:
         from segserve.models.loader import load_model
 

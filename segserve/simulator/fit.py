@@ -26,7 +26,8 @@ def fit_linear(
         (model, fit statistics: ``n``, ``mean_abs_rel_err``, ``p90_abs_rel_err``, ``max_abs_rel_err``).
 
     Raises:
-        ValueError: fewer samples than features, a duration <= 0, or an unknown feature name.
+        ValueError: fewer samples than features, a duration that is not finite and > 0, or an unknown
+            feature name.
     """
     import numpy as np
 
@@ -40,8 +41,9 @@ def fit_linear(
     cols = [FEATURES.index(f) for f in features]
     x = np.array([[c.features()[i] for i in cols] for c, _ in samples], dtype=np.float64)
     y = np.array([t for _, t in samples], dtype=np.float64)
-    if (y <= 0).any():
-        raise ValueError(f"step durations must be > 0 s, got {float(y.min())}")
+    bad = ~np.isfinite(y) | (y <= 0)
+    if bad.any():
+        raise ValueError(f"step durations must be finite and > 0 s, got {float(y[bad][0])}")
     active = list(range(len(cols)))
     while True:
         coef = _weighted_lstsq(x[:, active], y)

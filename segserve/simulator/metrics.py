@@ -49,7 +49,8 @@ def parse_slo(text: str) -> list[SLO]:
     """Parse ``"itl_p99=50ms,ttft_p99=2s"`` (units ms or s).
 
     Raises:
-        ValueError: an unknown metric or statistic, a missing unit, or a value <= 0, naming the item.
+        ValueError: an unknown metric or statistic, a missing unit, a value that is not a finite number
+            > 0, naming the item.
     """
     slos = []
     for item in filter(None, (p.strip() for p in text.split(","))):
@@ -61,13 +62,17 @@ def parse_slo(text: str) -> list[SLO]:
             )
         value = value.strip()
         if value.endswith("ms"):
-            seconds = float(value[:-2]) / 1000.0
+            number, scale = value[:-2], 1e-3
         elif value.endswith("s"):
-            seconds = float(value[:-1])
+            number, scale = value[:-1], 1.0
         else:
             raise ValueError(f"SLO {item!r}: the value needs a unit, ms or s (e.g. 50ms, 2s)")
-        if seconds <= 0:
-            raise ValueError(f"SLO {item!r}: the value must be > 0")
+        try:
+            seconds = float(number) * scale
+        except ValueError:
+            raise ValueError(f"SLO {item!r}: {number!r} is not a number") from None
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"SLO {item!r}: the value must be a finite number > 0")
         slos.append(SLO(metric, stat, seconds))
     if not slos:
         raise ValueError(f"no SLO in {text!r}")

@@ -126,13 +126,23 @@ def samples_to_json(samples: list[tuple[StepComposition, float]]) -> list[dict]:
 
 
 def samples_from_json(rows: list[dict]) -> list[tuple[StepComposition, float]]:
-    """Inverse of ``samples_to_json`` (files written before ``gathered`` existed read it as 0)."""
+    """Inverse of ``samples_to_json`` (files written before ``gathered`` existed read it as 0).
+
+    Raises:
+        ValueError: a row that is not ``{"seconds", "padded", "slices": [[prior, chunk, is_decode,
+            samples], ...]}``, naming its index.
+    """
     from segserve.simulator.step_model import RequestSlice
 
-    return [
-        (
-            StepComposition(tuple(RequestSlice(*s) for s in r["slices"]), r["padded"], r.get("gathered", 0)),
-            r["seconds"],
-        )
-        for r in rows
-    ]
+    out = []
+    for i, r in enumerate(rows):
+        try:
+            slices = tuple(RequestSlice(int(a), int(b), bool(c), bool(d)) for a, b, c, d in r["slices"])
+            comp = StepComposition(slices, int(r["padded"]), int(r.get("gathered", 0)))
+            out.append((comp, float(r["seconds"])))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"sample row {i} is malformed ({type(e).__name__}: {e}); expected "
+                '{"seconds": s, "padded": n, "slices": [[prior, chunk, is_decode, samples], ...]}'
+            ) from None
+    return out

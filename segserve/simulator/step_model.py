@@ -16,6 +16,7 @@ Two kinds, both saved as a JSON "hardware profile" (``{"kind": "linear" | "roofl
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -135,6 +136,10 @@ class LinearStepModel:
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown step-model features {sorted(unknown)}; known: {FEATURES}")
+        for name, value in self.coefficients.items():
+            # A negative or NaN coefficient would predict negative or NaN step durations downstream.
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"step-model coefficient {name}={value!r} must be a finite number >= 0")
 
     def predict(self, comp: StepComposition) -> float:
         return sum(self.coefficients.get(n, 0.0) * x for n, x in zip(FEATURES, comp.features(), strict=True))

@@ -105,6 +105,14 @@ def test_profile_roofline(tmp_path):
         (["tune", *TINY, "--slo", "itl_p99=5ms", "--budgets", "x"], "--budgets must be comma-separated"),
         (["tune", *TINY, "--slo", "speed=5"], "SLO 'speed=5'"),
         (["simulate", *TINY, "--num-replicas", "0"], "num_replicas must be >= 1, got 0"),
+        (["tune", *TINY, "--slo", "itl_p99=5ms", "--disaggregated", "1:1"],
+         "--disaggregated is for simulate"),
+        (["tune", *TINY, "--slo", "itl_p99=5ms", "--num-replicas", "2", "--verify-real"],
+         "needs --num-replicas 1, got 2"),
+        (["profile", "--from-samples", "/nonexistent.json", "--output", "/tmp/x.json"],
+         "--from-samples /nonexistent.json: not a samples file"),
+        (["profile", "--from-samples", "/tmp/same.json", "--output", "/tmp/same.json"],
+         "would overwrite the --from-samples file"),
     ],
 )
 def test_bad_cli_input(argv, message, capsys):
@@ -143,3 +151,15 @@ def test_simulate_disaggregated(tmp_path, profile):
 def test_bad_disaggregated_flag(capsys):
     assert main(["simulate", *TINY, "--disaggregated", "2-6"]) == 2
     assert "--disaggregated must be P:D replica counts like 2:6, got '2-6'" in capsys.readouterr().err
+
+
+def test_profile_from_malformed_samples_names_the_row(tmp_path, capsys):
+    good = {"seconds": 0.05, "padded": 1, "slices": [[10, 1, True, True]]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"samples": [good] * 8 + [{"seconds": 0.1, "slices": []}], "model": {}}))
+    assert main(["profile", "--from-samples", str(path), "--output", str(tmp_path / "p.json")]) == 2
+    assert "sample row 8 is malformed (KeyError" in capsys.readouterr().err
+    # Old files (no "gathered" key) still load, with a note that the feature is fitted as 0.
+    path.write_text(json.dumps({"samples": [good] * 8, "model": {}}))
+    assert main(["profile", "--from-samples", str(path), "--output", str(tmp_path / "p.json")]) == 0
+    assert "predate the gathered_kv feature" in capsys.readouterr().err

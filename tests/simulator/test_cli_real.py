@@ -54,6 +54,7 @@ def test_tune_verify_real_runs_the_recommendation_on_the_engine(tmp_path, tiny_d
                "--caps", "0", "--verify-real", "--output-json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
+    assert data["settings"]["attention_cost_tokens"] == 0 and data["settings"]["profile"]["kind"] == "linear"
     assert data["best"]["max_num_batched_tokens"] in (32, 64)
     real = data["real"]
     assert real["completed"] == 6 and real["failed"] == 0 and real["total_output_tokens"] == 24
@@ -61,15 +62,25 @@ def test_tune_verify_real_runs_the_recommendation_on_the_engine(tmp_path, tiny_d
     assert "[tune] on the real engine: meets ttft_p99=30s,itl_p99=10s" in capsys.readouterr().out
 
 
-def test_tune_verify_real_reports_a_miss_with_exit_status_2(tmp_path, tiny_dir, capsys):
+def test_tune_verify_real_reports_a_miss_with_exit_status_3(tmp_path, tiny_dir, capsys):
     # A profile that believes in 1-microsecond steps recommends a setting for an SLO no real step
     # can meet (every token within 0.01 ms); the real run must say so, not echo the simulation.
     out = tmp_path / "tune.json"
     rc = main(["tune", *SMALL, "--model", tiny_dir, "--profile", _profile(tmp_path, 1e-6),
                "--slo", "itl_p99=0.01ms", "--budgets", "64", "--policies", "decode_first", "--caps", "0",
                "--verify-real", "--output-json", str(out)])
-    assert rc == 2
+    assert rc == 3  # not 2, which means bad input
     data = json.loads(out.read_text())
     assert data["best"]["meets_slo"] is True and data["real"]["meets_slo"] is False
     assert data["real"]["p99_itl_ms"] > 0.01
     assert "[tune] on the real engine: MISSES itl_p99=0.01ms" in capsys.readouterr().out
+
+
+def test_tune_keeps_the_simulated_rows_when_the_real_run_cannot_start(tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    rc = main(["tune", *SMALL, "--model", str(tmp_path / "nope.gguf"), "--profile", _profile(tmp_path, 0.002),
+               "--slo", "ttft_p99=30s", "--budgets", "64", "--policies", "decode_first", "--caps", "0",
+               "--verify-real", "--output-json", str(out)])
+    assert rc == 2 and "nope.gguf" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["best"]["max_num_batched_tokens"] == 64 and "real" not in data

@@ -68,7 +68,9 @@ def test_bad_input():
     steps = _random_steps(3)
     with pytest.raises(ValueError, match="need at least 7 samples to fit 7 features, got 3"):
         fit_linear([(c, 1.0) for c in steps])
-    with pytest.raises(ValueError, match="step durations must be > 0 s"):
+    with pytest.raises(ValueError, match="step durations must be finite and > 0 s, got inf"):
+        fit_linear([(c, float("inf")) for c in _random_steps(10)])
+    with pytest.raises(ValueError, match="step durations must be finite and > 0 s"):
         fit_linear([(c, 0.0) for c in _random_steps(10)])
     with pytest.raises(ValueError, match="unknown features \\['flops'\\]"):
         fit_linear([(c, 1.0) for c in steps], features=("flops",))

@@ -47,7 +47,10 @@ def test_parse_slo():
         ("latency_p99=5ms", "expected <ttft\\|tpot\\|itl\\|e2el>_<mean"),
         ("itl_p95=5ms", "expected"),
         ("itl_p99=5", "the value needs a unit, ms or s"),
-        ("itl_p99=0ms", "the value must be > 0"),
+        ("itl_p99=0ms", "the value must be a finite number > 0"),
+        ("itl_p99=nanms", "'itl_p99=nanms': the value must be a finite number > 0"),
+        ("ttft_p99=infs", "the value must be a finite number > 0"),
+        ("itl_p99=abcms", "SLO 'itl_p99=abcms': 'abc' is not a number"),
         ("", "no SLO in ''"),
     ]:
         with pytest.raises(ValueError, match=msg):

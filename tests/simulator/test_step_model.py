@@ -79,3 +79,11 @@ def test_bad_profiles(tmp_path):
     path.write_text(json.dumps({"kind": "magic"}))
     with pytest.raises(ValueError, match="profile kind must be 'linear' or 'roofline', got 'magic'"):
         load_profile(path)
+
+
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf")])
+def test_linear_model_rejects_negative_or_non_finite_coefficients(value):
+    # A hand-edited profile with a negative coefficient simulated negative TTFTs before.
+    message = f"step-model coefficient step={value!r} must be a finite number >= 0"
+    with pytest.raises(ValueError, match=message):
+        LinearStepModel({"step": value})
