@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_cap < 1:
         p.error(f"--output-cap must be >= 1, got {args.output_cap}")
     if args.plot_from:
-        return _replot(args)
+        if args.json == p.get_default("json") or args.png == p.get_default("png"):
+            p.error("--plot-from needs its own --json and --png (the defaults hold the committed knob run)")
+        try:
+            return _replot(args)
+        except ValueError as e:
+            p.error(str(e))
     loaded = ex.load(args)
     max_len = min(8192, loaded.config.max_position_embeddings)
     w = make_workload(args.dataset, args.num_prompts, vocab_size=loaded.config.vocab_size,
@@ -114,11 +119,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _replot(args) -> int:
-    """``--plot-from``: one record, figure and summary line from earlier records' runs."""
-    records = [json.loads(Path(path).read_text()) for path in args.plot_from]
-    runs = [run for rec in records for run in rec["runs"]]
-    first = records[0]["settings"]
-    record = {"settings": vars(args), "merged_from": args.plot_from, "workload": records[0].get("workload"),
+    """``--plot-from``: one record, figure and summary line from earlier records' runs.
+
+    Raises:
+        ValueError: an unreadable file, a record without runs, records of different workloads, or
+            two runs with the same setting.
+    """
+    records = []
+    for path in args.plot_from:
+        try:
+            rec = json.loads(Path(path).read_text())
+            runs = rec["runs"]
+            workload, settings = rec["workload"], rec["settings"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a knob.py record ({type(e).__name__}: {e})") from None
+        if not runs:
+            raise ValueError(f"{path}: the record has no runs")
+        records.append((path, rec, workload, settings))
+    first_path, _, workload, first = records[0]
+    for path, _, other, _ in records[1:]:
+        if other != workload:
+            raise ValueError(f"{path} measured another workload than {first_path}; runs would not compare")
+    runs = [run for _, rec, _, _ in records for run in rec["runs"]]
+    labels = [_label(r) for r in runs]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"setting {dupes[0]} appears in more than one run; merge distinct settings")
+    record = {"settings": [s for _, _, _, s in records], "merged_from": args.plot_from, "workload": workload,
               "runs": runs}
     _report(args, record, f"{first['dataset']} x{first['num_prompts']} at {first['request_rate']}/s (merged)")
     return 0

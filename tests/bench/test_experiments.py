@@ -70,6 +70,38 @@ def test_knob(tiny_model_dir, tmp_path, capsys):
                                                "decode_first/64/K64"}
 
 
+def test_knob_plot_from_merges_runs_and_refuses_what_does_not_compare(tiny_model_dir, tmp_path, capsys):
+    knob = _script("knob")
+    common = ["--model", str(tiny_model_dir), "--dataset", "azure-conv", "--num-prompts", "2",
+              "--length-scale", "0.1", "--output-cap", "2", "--request-rate", "50",
+              "--policies", "decode_first"]
+    for name, budgets in (("a", "16"), ("b", "64")):
+        assert knob.main([*common, "--budgets", budgets, "--json", str(tmp_path / f"{name}.json"),
+                          "--png", str(tmp_path / f"{name}.png")]) == 0
+    capsys.readouterr()
+    a, b, merged = (str(tmp_path / f"{n}.json") for n in ("a", "b", "m"))
+    assert knob.main(["--plot-from", a, b, "--json", merged, "--png", str(tmp_path / "m.png")]) == 0
+    assert "(merged)" in capsys.readouterr().out
+    rec = json.loads(Path(merged).read_text())
+    assert [r["budget"] for r in rec["runs"]] == [16, 64] and rec["merged_from"] == [a, b]
+    assert [s["budgets"] for s in rec["settings"]] == ["16", "64"]  # the sources' settings, not the re-plot's
+    other = json.loads(Path(b).read_text()) | {"workload": {"something": "else"}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    (tmp_path / "junk.json").write_text("not json")
+    for argv, message in [
+        ([a, a], "setting decode_first/16 appears in more than one run"),
+        ([a, str(tmp_path / "other.json")], "measured another workload"),
+        ([str(tmp_path / "junk.json")], "not a knob.py record (JSONDecodeError"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            knob.main(["--plot-from", *argv, "--json", str(tmp_path / "x.json"),
+                       "--png", str(tmp_path / "x.png")])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # without its own outputs it would overwrite the committed knob run
+        knob.main(["--plot-from", a])
+    assert "needs its own --json and --png" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("name", "flags", "message"),
     [
