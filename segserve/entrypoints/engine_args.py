@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
+
+
+def _gib(text: str) -> float:
+    """``--kv-cache-memory``: a finite number of GiB > 0 (the error names the flag and its unit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of GiB, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory)"
     )
-    g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget, GiB")
+    g.add_argument("--kv-cache-memory", type=_gib, default=2.0, help="KV cache budget, GiB")
     g.add_argument("--max-model-len", type=int, default=None, help="tokens per request (default: model's)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
     g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at once")

@@ -83,7 +83,12 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic", type=int, default=None, help="N synthetic requests instead of a trace")
     g.add_argument("--input-len", type=int, default=1024)
     g.add_argument("--output-len", type=int, default=128)
-    g.add_argument("--prefix-len", type=int, default=0, help="shared prefix of synthetic prompts, tokens")
+    g.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="shared prefix of synthetic prompts, tokens (whole 512-token blocks: rounded down)",
+    )
     g.add_argument("--max-input-len", type=int, default=None, help="clip prompts to this many tokens")
     g.add_argument("--max-output-len", type=int, default=None, help="clip outputs to this many tokens")
 
@@ -109,6 +114,17 @@ def load_workload(args: argparse.Namespace):
     """The workload the flags describe. Raises ValueError when neither --trace nor --synthetic is given."""
     from segserve.simulator import workload as wl
 
+    for flag in ("synthetic", "input_len", "output_len", "limit", "max_input_len", "max_output_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {args.offset}")
+    if args.synthetic and 0 < args.prefix_len < wl.HASH_BLOCK_TOKENS:
+        raise ValueError(
+            f"--prefix-len {args.prefix_len} shares nothing: prefixes are whole {wl.HASH_BLOCK_TOKENS}-token "
+            "blocks (use 0 or >= 512)"
+        )
     if args.synthetic:
         reqs = wl.synthetic(
             args.synthetic,

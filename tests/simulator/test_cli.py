@@ -109,6 +109,10 @@ def test_profile_roofline(tmp_path):
          "--disaggregated is for simulate"),
         (["tune", *TINY, "--slo", "itl_p99=5ms", "--num-replicas", "2", "--verify-real"],
          "needs --num-replicas 1, got 2"),
+        (["simulate", "--synthetic", "0"], "--synthetic must be >= 1, got 0"),
+        (["simulate", *TINY, "--output-len", "0"], "--output-len must be >= 1, got 0"),
+        (["simulate", *TINY, "--max-input-len", "0"], "--max-input-len must be >= 1, got 0"),
+        (["simulate", *TINY, "--prefix-len", "100"], "--prefix-len 100 shares nothing"),
         (["profile", "--from-samples", "/nonexistent.json", "--output", "/tmp/x.json"],
          "--from-samples /nonexistent.json: not a samples file"),
         (["profile", "--from-samples", "/tmp/same.json", "--output", "/tmp/same.json"],
@@ -163,3 +167,12 @@ def test_profile_from_malformed_samples_names_the_row(tmp_path, capsys):
     path.write_text(json.dumps({"samples": [good] * 8, "model": {}}))
     assert main(["profile", "--from-samples", str(path), "--output", str(tmp_path / "p.json")]) == 0
     assert "predate the gathered_kv feature" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "lots"])
+def test_kv_cache_memory_error_names_the_flag_in_gib(value, capsys):
+    # Regression: the error reported "kv_cache_memory_bytes ... got -1073741824" for --kv-cache-memory -1.
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", *TINY, "--kv-cache-memory", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --kv-cache-memory: must be a" in err and "GiB" in err
