@@ -346,7 +346,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.plot:
         plot_tune(rows, args.plot, [s.key for s in slos])
     if best is None:
-        print(f"[tune] no setting of {len(rows)} meets {args.slo}")
+        print(f"[tune] no setting of {len(rows)} meets {args.slo}" + _why_infeasible(rows, slos))
         return 1
     print(
         f"[tune] best of {len(rows)}: max_num_batched_tokens={best['max_num_batched_tokens']} "
@@ -366,6 +366,21 @@ def run_tune(args: argparse.Namespace) -> int:
         status = 0 if met else VERIFY_MISSED
         _write_json(args.output_json, out)
     return status
+
+
+def _why_infeasible(rows: list[dict], slos) -> str:
+    """A hint when no setting could have met the SLO whatever its latencies."""
+    import math
+
+    if all(r["completed"] == 0 for r in rows):
+        return (
+            f" (every request was rejected in every setting: {rows[0]['failed']} longer than "
+            "max_model_len or the KV pool)"
+        )
+    undefined = [s.key for s in slos if all(math.isnan(r.get(s.key, math.nan)) for r in rows)]
+    if undefined:
+        return f" ({', '.join(undefined)} undefined: no request generated 2+ tokens)"
+    return ""
 
 
 # Exit status of ``tune --verify-real`` when the recommendation misses its SLO on the real engine

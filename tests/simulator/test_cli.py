@@ -176,3 +176,17 @@ def test_kv_cache_memory_error_names_the_flag_in_gib(value, capsys):
         main(["simulate", *TINY, "--kv-cache-memory", value])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "argument --kv-cache-memory: must be a" in err and "GiB" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "hint"),
+    [
+        (["--output-len", "1"], "(p99_itl_ms undefined: no request generated 2+ tokens)"),
+        (["--output-len", "4", "--max-model-len", "100"], "(every request was rejected in every setting: 3 "),
+    ],
+)
+def test_tune_says_why_nothing_can_be_feasible(flags, hint, profile, capsys):
+    argv = ["tune", "--synthetic", "3", "--input-len", "500", "--prefix-len", "0", "--profile", profile,
+            "--slo", "itl_p99=1s", "--budgets", "64", "--caps", "0", *flags]
+    assert main(argv) == 1
+    assert hint in capsys.readouterr().out
