@@ -308,7 +308,7 @@ class SegmentedAttentionBackend:
         than the gather itself.
         """
         shape = (2, kv_block_ids.shape[0] // 2, *kv_cache.shape[2:])
-        run = _contiguous_run(kv_block_ids[: shape[1]])
+        run = _run_start(kv_block_ids[: shape[1]].tolist())
         if run is not None:  # consecutive block ids: the cache itself is the gathered tensor
             return kv_cache[:, run : run + shape[1]]  # (2, n_blocks, block_size, Hkv, D) view, no copy
         numel = kv_block_ids.shape[0] * kv_cache[0, 0].numel()
@@ -381,25 +381,14 @@ class SegmentedAttentionBackend:
 
 
 def _run_start(ids: list[int]) -> int | None:
-    """First id when ``ids`` are consecutive ascending ids, else None (the list form of
-    :func:`_contiguous_run`, for plans built once per step)."""
-    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
-
-
-def _contiguous_run(block_ids: torch.Tensor) -> int | None:
-    """First id when ``block_ids`` (1-D) are consecutive ascending ids, else None.
+    """First id when ``ids`` are consecutive ascending ids, else None.
 
     The pool hands out blocks in free-queue order, so a request that allocated its blocks without
     others interleaving (any batch-1 request, most prefill chunks) holds runs of consecutive ids;
-    reading those through a view skips the copy that dominates long-context decode steps.
+    reading those through a view skips the copy that dominates long-context decode steps. Decode
+    plans check once per step; a chunk's prior blocks are checked per layer (one ``tolist``).
     """
-    n = block_ids.shape[0]
-    first = int(block_ids[0])
-    if int(block_ids[-1]) - first != n - 1:
-        return None
-    if n > 2 and not bool((block_ids[1:] - block_ids[:-1] == 1).all()):
-        return None
-    return first
+    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
 
 
 def kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:

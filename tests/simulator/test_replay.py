@@ -65,7 +65,7 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch):
 
     def spy(self, kv_cache, kv_block_ids):
         n = kv_block_ids.shape[0] // 2
-        if segmented._contiguous_run(kv_block_ids[:n]) is None:
+        if segmented._run_start(kv_block_ids[:n].tolist()) is None:
             copied.append(n * kv_cache.shape[2])
         return original(self, kv_cache, kv_block_ids)
 
