@@ -265,17 +265,19 @@ def save_profile(model: StepTimeModel, path: str | Path, extra: dict | None = No
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-# Order-of-magnitude numbers for this engine on the 2-core CPU (from /work/shared/baselines.md:
-# ~540 prefill tok/s, ~10 ms LM-head row, ~1.1 s attention for 512 x 4,096 pairs over 30 layers);
-# used only when no profile is given. ``segserve profile`` measures the real ones.
+# This engine on the 2-core CPU (float32, 2 threads, idle): the fit to a real replay of Azure-conv
+# traffic, docs/profiles/cpu_2core_fp32_replay.json (which predicted a held-out slice within 10 % on
+# throughput and medians, docs/simulator.md). Used when no profile is given; ``segserve profile``
+# measures the machine at hand.
 DEFAULT_CPU_MODEL = LinearStepModel(
     {
-        "step": 0.02,
-        "padded_tokens": 1.8e-3,
-        "sampled": 2e-3,
-        "requests": 5e-4,
-        "prefill_attn": 5e-7,
-        "decode_ctx": 1e-6,
+        "step": 3.6e-2,
+        "padded_tokens": 1.18e-3,
+        "sampled": 0.0,
+        "requests": 0.0,
+        "prefill_attn": 1.0e-6,
+        "decode_ctx": 5.4e-6,
+        "gathered_kv": 8.1e-6,
     },
-    source="built-in guess from baselines.md",
+    source="built-in: docs/profiles/cpu_2core_fp32_replay.json (2-core CPU, float32)",
 )
