@@ -299,18 +299,24 @@ class SegmentedAttentionBackend:
         return parts
 
     def _gather_blocks(self, kv_cache: torch.Tensor, kv_block_ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``kv_block_ids`` (see :func:`kv_rows`) of the cache seen as ``[2 * num_blocks, ...]``.
+        """Rows ``kv_block_ids`` (see :func:`kv_rows`) of the cache seen as ``[2 * num_blocks, ...]``,
+        as ``[2, n_blocks, block_size, Hkv, D]`` (K then V): a view of the cache when the blocks are
+        consecutive ids, else a copy (:meth:`_copy_blocks`)."""
+        n = kv_block_ids.shape[0] // 2
+        run = _run_start(kv_block_ids[:n].tolist())
+        if run is not None:  # consecutive block ids: the cache itself is the gathered tensor
+            return kv_cache[:, run : run + n]  # (2, n_blocks, block_size, Hkv, D) view, no copy
+        return self._copy_blocks(kv_cache, kv_block_ids)
 
-        Returns ``[2, n_blocks, block_size, Hkv, D]`` (K then V) in a reused workspace. One
-        ``index_select`` over dim 0 gathers K and V together and runs in parallel (a dim-1 select over
-        ``[2, num_blocks, ...]`` runs serially, twice as slow for large gathers here). Reusing the
+    def _copy_blocks(self, kv_cache: torch.Tensor, kv_block_ids: torch.Tensor) -> torch.Tensor:
+        """Copy rows ``kv_block_ids`` into a reused workspace -> ``[2, n_blocks, block_size, Hkv, D]``.
+
+        One ``index_select`` over dim 0 gathers K and V together and runs in parallel (a dim-1 select
+        over ``[2, num_blocks, ...]`` runs serially, twice as slow for large gathers here). Reusing the
         workspace matters: a fresh multi-megabyte tensor per call costs page faults that take longer
         than the gather itself.
         """
         shape = (2, kv_block_ids.shape[0] // 2, *kv_cache.shape[2:])
-        run = _run_start(kv_block_ids[: shape[1]].tolist())
-        if run is not None:  # consecutive block ids: the cache itself is the gathered tensor
-            return kv_cache[:, run : run + shape[1]]  # (2, n_blocks, block_size, Hkv, D) view, no copy
         numel = kv_block_ids.shape[0] * kv_cache[0, 0].numel()
         ws = self._workspace
         if ws is None or ws.numel() < numel or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
@@ -361,10 +367,10 @@ class SegmentedAttentionBackend:
         """K, V of one decode call as ``[n_call, Hkv, blocks * block_size, D]`` views of the workspace."""
         hkv, d = kv_cache.shape[3:]
         n_call = call.last - call.first
-        if call.run is not None:  # consecutive blocks: the cache itself, no copy
+        if call.run is not None:  # consecutive blocks (known from the plan): the cache itself, no copy
             kv = kv_cache[:, call.run : call.run + n_call * call.blocks]
         else:
-            kv = self._gather_blocks(kv_cache, call.kv_rows)
+            kv = self._copy_blocks(kv_cache, call.kv_rows)
         kv = kv.reshape(2, n_call, -1, hkv, d)[:, :, : call.tokens]  # (2, n, L, Hkv, D)
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (n_call, Hkv, L, D) each
 

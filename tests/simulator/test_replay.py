@@ -61,15 +61,13 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch):
     from segserve.attention import segmented
 
     copied: list[int] = []
-    original = segmented.SegmentedAttentionBackend._gather_blocks
+    original = segmented.SegmentedAttentionBackend._copy_blocks
 
-    def spy(self, kv_cache, kv_block_ids):
-        n = kv_block_ids.shape[0] // 2
-        if segmented._run_start(kv_block_ids[:n].tolist()) is None:
-            copied.append(n * kv_cache.shape[2])
+    def spy(self, kv_cache, kv_block_ids):  # every call copies: count its tokens
+        copied.append(kv_block_ids.shape[0] // 2 * kv_cache.shape[2])
         return original(self, kv_cache, kv_block_ids)
 
-    monkeypatch.setattr(segmented.SegmentedAttentionBackend, "_gather_blocks", spy)
+    monkeypatch.setattr(segmented.SegmentedAttentionBackend, "_copy_blocks", spy)
     engine = LLMEngine(tiny_dir, max_num_batched_tokens=24, block_size=4,
                        num_kv_blocks=120, max_model_len=128)
     per_step: list[int] = []
