@@ -29,16 +29,21 @@ def smollm():
     return load_model(None, dtype=torch.float32)
 
 
-@pytest.fixture(scope="session")
-def hf_model():
-    """transformers' float32 SmolLM2 loaded from the same GGUF."""
+def load_hf_oracle(dtype: torch.dtype):
+    """transformers' SmolLM2 in ``dtype`` loaded from the same GGUF, set up for fixed-length greedy runs."""
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.generation_config.eos_token_id = None  # fixed-length greedy runs; segserve uses ignore_eos
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' float32 SmolLM2 loaded from the same GGUF."""
+    return load_hf_oracle(torch.float32)
 
 
 @pytest.fixture(scope="session")

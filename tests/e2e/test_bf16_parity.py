@@ -16,9 +16,8 @@ import torch
 
 from segserve import LLMEngine, SamplingParams
 from segserve.entrypoints.cli import default_document
-from segserve.models.loader import default_model_path
 
-from .conftest import requires_model
+from .conftest import load_hf_oracle, requires_model
 
 NUM_TOKENS = 16
 # Largest logprob gap (nats) at which the two sides may pick different tokens. bfloat16 rounding of
@@ -39,13 +38,7 @@ def smollm_bf16():
 
 @pytest.fixture(scope="module")
 def hf_bf16():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return load_hf_oracle(torch.bfloat16)
 
 
 def hf_run(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
