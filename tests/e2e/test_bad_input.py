@@ -7,21 +7,11 @@ import pytest
 
 from segserve import LLMEngine, SamplingParams
 
-from .conftest import requires_model
+from .conftest import finish_all, requires_model
 
 pytestmark = [pytest.mark.slow, requires_model]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def finish_all(eng: LLMEngine) -> dict:
-    outs = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                outs[out.request_id] = out
-        eng.check_integrity()
-    return outs
 
 
 def assert_no_leak(eng: LLMEngine) -> None:

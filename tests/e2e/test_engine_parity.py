@@ -9,7 +9,7 @@ import torch
 from segserve import LLMEngine, SamplingParams
 from segserve.entrypoints.cli import default_document
 
-from .conftest import NUM_TOKENS, requires_model
+from .conftest import NUM_TOKENS, finish_all, requires_model
 
 pytestmark = [pytest.mark.slow, requires_model]
 
@@ -114,12 +114,7 @@ def test_one_step_mixes_full_hit_partial_hit_miss_and_decodes(smollm, prompts, h
     eng.add_request("miss", short, GREEDY)
     seen = []
     eng.schedule_observers.append(seen.append)
-    outs = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                outs[out.request_id] = out
-        eng.check_integrity()
+    outs = finish_all(eng)
     mixed = seen[0]
     assert mixed.num_scheduled_tokens["decoding"] == 1
     computed = {r.req_id: r.num_computed_tokens for r in mixed.scheduled_new_reqs}
