@@ -370,8 +370,6 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def _why_infeasible(rows: list[dict], slos) -> str:
     """A hint when no setting could have met the SLO whatever its latencies."""
-    import math
-
     if all(r["completed"] == 0 for r in rows):
         return (
             f" (every request was rejected in every setting: {rows[0]['failed']} longer than "

@@ -82,6 +82,10 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch):
     real = [sum(copied[marks[i] : marks[i + 1]]) // layers for i in range(len(samples))]
     assert [c.gathered_tokens for c, _ in samples] == real
     assert sum(real) > 0  # the case does exercise gathers
+    # The simulator keeps its own copy of the kernel's per-call gather bound (it cannot import torch).
+    from segserve.simulator import replica
+
+    assert replica._MAX_GATHER_TOKENS == segmented.MAX_GATHER_TOKENS
 
 
 def test_segmented_gather_tokens_by_hand():
