@@ -42,9 +42,20 @@ def measure_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
 
 
 def segserve_decode_ms(
-    loaded, dtype: str, prompt: list[int], tokens: int, batch: int, prepack: bool
+    loaded, dtype: str, prompt: list[int], tokens: int, batch: int, prepack: bool, kernels: bool = True
 ) -> float:
-    """Median wall ms of one engine step while ``batch`` requests decode (prefill steps excluded)."""
+    """Median wall ms of one engine step while ``batch`` requests decode (prefill steps excluded);
+    ``kernels=False`` runs with the compiled CPU kernels switched off (the eager PyTorch path)."""
+    from segserve.kernels import cpu as cpu_kernels
+
+    old = cpu_kernels.set_enabled(kernels)
+    try:
+        return _decode_ms(loaded, dtype, prompt, tokens, batch, prepack)
+    finally:
+        cpu_kernels.set_enabled(old)
+
+
+def _decode_ms(loaded, dtype: str, prompt: list[int], tokens: int, batch: int, prepack: bool) -> float:
     from segserve.engine.llm_engine import LLMEngine
     from segserve.sampling_params import SamplingParams
 
@@ -104,6 +115,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--baseline", choices=("hf", "none"), default="hf")
     parser.add_argument("--ablate-prepack", action="store_true", help="also run without weight packing")
+    parser.add_argument(
+        "--ablate-kernels", action="store_true", help="also run with the compiled CPU kernels switched off"
+    )
     parser.add_argument("--out", default="results/bench_decode.json")
     args = parser.parse_args()
     for name in ("prompt_len", "tokens", "batch", "reps", "threads"):
@@ -121,12 +135,16 @@ def main() -> None:
     loaded = load_model(None, dtype=dtype)
     hf = load_hf(dtype) if args.baseline == "hf" else None
     prompt = [100 + (i * 7919) % 40000 for i in range(args.prompt_len)]
-    def ours(prepack: bool):
-        return lambda: segserve_decode_ms(loaded, args.dtype, prompt, args.tokens, args.batch, prepack)
+    def ours(prepack: bool, kernels: bool = True):
+        return lambda: segserve_decode_ms(
+            loaded, args.dtype, prompt, args.tokens, args.batch, prepack, kernels
+        )
 
     variants = {"segserve": ours(True)}
+    if args.ablate_kernels:
+        variants["segserve_no_kernels"] = ours(True, kernels=False)
     if args.ablate_prepack:
-        variants["segserve_no_prepack"] = ours(False)
+        variants["segserve_no_prepack"] = ours(False, kernels=False)
     if hf is not None:
         variants["hf"] = lambda: hf_decode_ms(hf, prompt, args.tokens, args.batch)
     samples: dict[str, list[float]] = {name: [] for name in variants}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from segserve.kernels import cpu as cpu_kernels
+
 
 def new_kv_cache(
     num_blocks: int,
@@ -56,6 +58,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     if num_real > k.shape[0]:
         raise ValueError(f"slot_mapping has {num_real} rows but k has only {k.shape[0]}")
     if num_real == 0:
+        return
+    if k.dtype == v.dtype and cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, k.dtype):
+        cpu_kernels.write_kv(kv_cache, k, v, slot_mapping)  # one call for K and V, no casts
         return
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # (2, slots, Hkv, D)

@@ -25,6 +25,11 @@ Two paths:
 On CPU the per-piece attention is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns
 (output, logsumexp) and accumulates in float32 for bfloat16 inputs; elsewhere a float32 matmul path.
 Partial outputs are combined in float32.
+
+With the compiled CPU kernels (``segserve.kernels.cpu``; float32/bfloat16 cache) the decodes take a third
+form: one C call per layer walks every decode's blocks in place through the block table, one work
+item per (decode, KV head, segment), merged by log-sum-exp. It never gathers, so interleaved blocks
+cost nothing extra, and it has no per-segment dispatch; the plan then skips the decode calls.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.metadata import AttentionMetadata
+from segserve.kernels import cpu as cpu_kernels
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -164,7 +170,9 @@ class _StepPlan:
     """What a step's metadata implies for every layer: built once, reused by all layers."""
 
     decode_rows: torch.Tensor  # (n_decodes,) int64 batch rows, longest prior first
-    decode_calls: tuple[_DecodeCall, ...]
+    decode_reqs: torch.Tensor  # (n_decodes,) int64 block-table rows, same order
+    decode_lens: torch.Tensor  # (n_decodes,) int64 cached tokens each walks (prior + its own)
+    decode_calls: tuple[_DecodeCall, ...]  # empty when planned for the compiled kernel
     chunks: tuple[int, ...]  # requests with query length > 1
     # Every row of the step is a decode and they are already in walk order (batch 1 is): the decode
     # result is the layer's output as it stands, with no scatter into a zeroed buffer.
@@ -218,7 +226,10 @@ class SegmentedAttentionBackend:
             ValueError: when ``kv_segment_size`` is not a positive multiple of the cache's block size.
         """
         write_kv(kv_cache, k, v, metadata.slot_mapping)
-        plan = self._step_plan(metadata, kv_cache)
+        compiled = cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, q.dtype)
+        plan = self._step_plan(metadata, kv_cache, compiled)
+        if compiled:
+            return self._forward_compiled(q, k, v, kv_cache, metadata, plan, scale)
         out_dtype, cdtype = q.dtype, kv_cache.dtype
         q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
         if plan.decodes_fill_step:
@@ -235,6 +246,32 @@ class SegmentedAttentionBackend:
                 q[r0:r1], k[r0:r1], v[r0:r1], kv_cache, row, metadata.prior_tokens_cpu[i], seg, scale
             )
             out[r0:r1] = chunk
+        return out
+
+    def _forward_compiled(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """``forward`` with the decodes in one compiled call (K/V already written; q in the cache dtype)."""
+        full = plan.decodes_fill_step  # every row is written by the kernel
+        out = torch.empty(q.shape, dtype=q.dtype) if full else torch.zeros(q.shape, dtype=q.dtype)
+        cpu_kernels.decode_attention(
+            q, out, plan.decode_rows, kv_cache, metadata.block_table, plan.decode_reqs, plan.decode_lens,
+            metadata.kv_segment_size, scale,
+        )
+        qsl, seg = metadata.query_start_loc_cpu, metadata.kv_segment_size
+        for i in plan.chunks:
+            r0, r1 = qsl[i], qsl[i + 1]
+            out[r0:r1] = self._chunk(
+                q[r0:r1], k[r0:r1], v[r0:r1], kv_cache, metadata.block_table[i], metadata.prior_tokens_cpu[i],
+                seg, scale,
+            )
         return out
 
     # --- chunks (query length > 1) -------------------------------------------------------------------
@@ -376,12 +413,14 @@ class SegmentedAttentionBackend:
 
     # --- per-step plan -------------------------------------------------------------------------------
 
-    def _step_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
+    def _step_plan(self, metadata: AttentionMetadata, kv_cache: torch.Tensor, compiled: bool) -> _StepPlan:
         """The plan for this step, built on the first layer and reused by the others."""
         # The key holds the metadata object itself, so its id cannot be recycled while cached.
-        key = (metadata, kv_cache.dtype, kv_cache.device, kv_cache.shape)
+        key = (metadata, kv_cache.dtype, kv_cache.device, kv_cache.shape, compiled)
         if self._plan_key is None or self._plan_key[0] is not metadata or self._plan_key[1:] != key[1:]:
-            self._plan = build_step_plan(metadata, kv_cache, self.max_gather_tokens)
+            self._plan = build_step_plan(
+                metadata, kv_cache, self.max_gather_tokens, decode_calls=not compiled
+            )
             self._plan_key = key
         return self._plan
 
@@ -403,8 +442,11 @@ def kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return torch.cat([block_ids, block_ids + num_blocks])
 
 
-def build_step_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, max_gather_tokens: int) -> _StepPlan:
-    """Split the step's requests into batched decodes and looped chunks; plan the decode gathers.
+def build_step_plan(
+    metadata: AttentionMetadata, kv_cache: torch.Tensor, max_gather_tokens: int, decode_calls: bool = True
+) -> _StepPlan:
+    """Split the step's requests into batched decodes and looped chunks; plan the decode gathers
+    (unless ``decode_calls`` is False: the compiled kernel walks the block table itself).
 
     Reads only the shape, dtype and device of ``kv_cache``, so one plan serves every layer.
 
@@ -418,15 +460,19 @@ def build_step_plan(metadata: AttentionMetadata, kv_cache: torch.Tensor, max_gat
     decodes = sorted((i for i, n in enumerate(qlens) if n == 1), key=lambda i: -priors[i])
     device = metadata.block_table.device
     rows = torch.tensor([metadata.query_start_loc_cpu[i] for i in decodes], dtype=torch.long, device=device)
+    reqs = torch.tensor(decodes, dtype=torch.long, device=device)
+    walk = [priors[i] + 1 for i in decodes]  # a decode's own token is already cached: walk it too
     calls: list[_DecodeCall] = []
-    if decodes:
-        table = metadata.block_table.index_select(0, torch.tensor(decodes, dtype=torch.long, device=device))
-        walk = [priors[i] + 1 for i in decodes]  # a decode's own token is already cached: walk it too
+    if decodes and decode_calls:
+        table = metadata.block_table.index_select(0, reqs)
         for start in range(0, walk[0], seg):
             calls += _segment_calls(table, walk, start, seg, kv_cache, max_gather_tokens)
     chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
     fill = not chunks and len(decodes) == metadata.num_padded_tokens and decodes == sorted(decodes)
-    return _StepPlan(decode_rows=rows, decode_calls=tuple(calls), chunks=chunks, decodes_fill_step=fill)
+    return _StepPlan(
+        decode_rows=rows, decode_reqs=reqs, decode_lens=torch.tensor(walk, dtype=torch.long, device=device),
+        decode_calls=tuple(calls), chunks=chunks, decodes_fill_step=fill,
+    )
 
 
 def _segment_calls(

@@ -9,6 +9,11 @@ by the loader: ``qkv_proj = cat(q_proj, k_proj, v_proj)`` and ``gate_up_proj = c
 Architecture facts (Touvron et al. 2023, "Llama 2"; HF ``modeling_llama``): pre-norm RMSNorm, rotary
 position embedding in the rotate-half convention, grouped-query attention, SwiGLU MLP
 ``down(silu(gate(x)) * up(x))``, optionally tied input/output embeddings.
+
+With the compiled CPU kernels (``segserve.kernels.cpu``, float32/bfloat16 on an AVX-512 CPU) RoPE runs in
+place in C for every step, and decode-sized steps (up to ``MAX_SMALL_ROWS`` rows) run each layer as four
+compiled linears with the norms, the SiLU gate and the residual adds fused in, plus attention; larger
+steps keep oneDNN's GEMMs, where the eager ops are a small share of the time.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 
 from segserve.attention.backends import AttentionBackend
 from segserve.attention.metadata import AttentionMetadata
+from segserve.kernels import cpu as cpu_kernels
 from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -273,18 +279,32 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata, compiled: bool = False,
     ) -> torch.Tensor:
-        """``x`` ``(T, H)`` -> ``(T, H)``; ``cos``/``sin`` ``(T, 1, D)`` rows of ``rope_table``."""
-        t = x.shape[0]
+        """``x`` ``(T, H)`` -> ``(T, H)``; ``cos``/``sin`` as :meth:`attend` takes them."""
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv_cache, metadata, compiled))
+
+    def attend(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata, compiled: bool,
+    ) -> torch.Tensor:
+        """Fused projections ``qkv`` ``(T, (Hq + 2 Hkv) D)`` -> attention output ``(T, Hq D)``.
+
+        ``cos``/``sin`` are rows of ``rope_table``: ``(T, D)`` float32 with ``compiled`` (the C
+        kernel rotates ``qkv`` in place), else ``(T, 1, D)`` in the activation dtype.
+        """
+        t = qkv.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)  # (T, Hq + 2 Hkv, D)
         # Q and K heads are adjacent in the fused output, so one rotation covers both.
-        qk = apply_rope(qkv[:, : hq + hkv], cos, sin)  # (T, Hq + Hkv, D)
-        q, k = qk.split((hq, hkv), dim=1)  # (T, Hq, D), (T, Hkv, D)
-        v = qkv[:, hq + hkv :]  # (T, Hkv, D)
+        if compiled:
+            cpu_kernels.rope_(qkv, hq + hkv, self.head_dim, cos, sin)
+            q, k, v = qkv.view(t, hq + 2 * hkv, self.head_dim).split((hq, hkv, hkv), dim=1)
+        else:
+            qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)  # (T, Hq + 2 Hkv, D)
+            q, k = apply_rope(qkv[:, : hq + hkv], cos, sin).split((hq, hkv), dim=1)  # (T, Hq|Hkv, D)
+            v = qkv[:, hq + hkv :]  # (T, Hkv, D)
         out = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # (T, Hq, D)
-        return self.o_proj(out.reshape(t, hq * self.head_dim))
+        return out.reshape(t, hq * self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -313,11 +333,31 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata, compiled: bool = False,
+    ) -> torch.Tensor:
+        """``h`` ``(T, H)``, the step's own residual stream (never a view of a weight), updated in place."""
+        if compiled and h.shape[0] <= cpu_kernels.MAX_SMALL_ROWS[h.dtype]:
+            return self._forward_small(h, cos, sin, kv_cache, metadata)
+        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata, compiled))
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+
+    def _forward_small(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        # In place: ``h`` is the step's own residual stream (never a view of a weight).
-        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata))
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+        """The same layer for a few rows, in compiled linears that stream each weight once with the
+        norms, the SiLU gate and the residual adds fused in (``h`` contiguous)."""
+        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv = cpu_kernels.linear(
+            h, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="rmsnorm", norm_weight=ln1.weight,
+            eps=ln1.eps,
+        )  # (T, (Hq + 2 Hkv) D)
+        out = attn.attend(qkv, cos, sin, kv_cache, metadata, True)  # (T, Hq D)
+        cpu_kernels.linear(out, attn.o_proj.weight, residual=h)  # h += o_proj(out)
+        gate_up = cpu_kernels.linear(
+            h, mlp.gate_up_proj.weight, prologue="rmsnorm", norm_weight=ln2.weight, eps=ln2.eps
+        )  # (T, 2 I)
+        return cpu_kernels.linear(gate_up, mlp.down_proj.weight, prologue="silu_mul", residual=h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -347,6 +387,7 @@ class LlamaForCausalLM(nn.Module):
         # on the meta device and ``.to(dtype)`` never rounds the float32 table.
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._packed_lm_head: torch.Tensor | None = None
+        self._kernel_fit: dict[torch.dtype, bool] = {}  # per dtype: do all weights fit the C kernels
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -369,14 +410,42 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         h = self.embed_tokens(input_ids)  # (T, H)
-        cos, sin = self._rope_at(positions, h.dtype)  # (T, 1, D) each, shared by all layers
+        compiled = self._compiled_kernels_fit(h)
+        cos, sin = self._rope_at(positions, h.dtype, compiled)  # shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, metadata)
+            h = layer(h, cos, sin, kv_cache, metadata, compiled)
         return self.norm(h)
+
+    def _compiled_kernels_fit(self, h: torch.Tensor) -> bool:
+        """Whether this step can use the compiled CPU kernels: switched on and built, CPU activations
+        of a supported dtype, and weights of that dtype in shapes the kernels take."""
+        if h.dtype not in cpu_kernels.MAX_SMALL_ROWS or h.device.type != "cpu" or not cpu_kernels.enabled():
+            return False
+        first = self.layers[0]
+        if first.self_attn.qkv_proj.weight.dtype != h.dtype:
+            return False
+        return self._weights_fit_kernels(h.dtype)
+
+    def _weights_fit_kernels(self, dtype: torch.dtype) -> bool:
+        fits = self._kernel_fit.get(dtype)
+        if fits is None:
+            c = self.config
+            weights = [m.weight for m in self.modules() if isinstance(m, PackedLinear)]
+            fits = c.head_dim <= 1024 and all(
+                cpu_kernels.supports_linear(w) and w.dtype == dtype for w in weights
+            )
+            self._kernel_fit[dtype] = fits
+        return fits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits (matmul in the weight dtype)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if (
+            hidden.dtype == weight.dtype
+            and hidden.shape[0] <= cpu_kernels.MAX_SMALL_ROWS.get(hidden.dtype, 0)
+            and hidden.device.type == "cpu" and cpu_kernels.supports_linear(weight) and cpu_kernels.enabled()
+        ):
+            return cpu_kernels.linear(hidden.contiguous(), weight, out_dtype=torch.float32)
         packed = self._packed_lm_head
         if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
             return packed_linear(hidden, packed, None).float()
@@ -391,14 +460,21 @@ class LlamaForCausalLM(nn.Module):
         """
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         count = sum(m.pack() for m in linears)
+        self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
         if self.lm_head is None:  # tied: the LM head reads the embedding matrix
             self._packed_lm_head = pack_weight(self.embed_tokens.weight)
         else:
             self._packed_lm_head = self.lm_head._packed
         return count + (self.lm_head is None and self._packed_lm_head is not None)
 
-    def _rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_at(
+        self, positions: torch.Tensor, dtype: torch.dtype, compiled: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the RoPE table at ``positions``: ``(T, D)`` float32 for the compiled kernel (it
+        rounds them itself), else ``(T, 1, D)`` in ``dtype``."""
         if self._rope is None or self._rope[0].device != positions.device:
             self._rope = rope_table(self.config, positions.device)
         cos, sin = self._rope
+        if compiled:
+            return cos[positions], sin[positions]
         return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)

@@ -1,5 +1,9 @@
 """Segmented kernel == reference backend == plain SDPA on contiguous K/V, over random shapes and layouts.
 
+This file pins the eager PyTorch form of the kernel (its call structure included): the compiled CPU
+kernels are switched off for every test here and tested against the same oracle in
+test_cpu_kernels.py.
+
 Tolerances: float32 outputs agree within atol = rtol = 1e-5 (observed <= 6e-7). bfloat16 outputs agree
 with a float32 oracle on the same bf16-rounded inputs within atol 2e-2: outputs reach |3.5| here, where
 one bf16 ulp is 1.6e-2, so the final rounding alone costs up to 7.8e-3 (observed 7.6e-3, the same for
@@ -22,11 +26,18 @@ from segserve.attention.segmented import (
     attention_with_lse_math,
     merge_partials,
 )
+from segserve.kernels import cpu as cpu_kernels
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 BF16_TOL = {"atol": 2e-2, "rtol": 0.0}
 HEADS = (((9, 3), 64), ((4, 1), 32))
 SEGMENTS_AND_BLOCKS = [(s, b) for s in (512, 1024, 2048, 4096) for b in (16, 64, 128)]
+
+
+@pytest.fixture(autouse=True)
+def eager_kernel():
+    with cpu_kernels.disabled():
+        yield
 
 
 def prior_kinds(seg: int, block_size: int) -> list[int]:

@@ -1,0 +1,113 @@
+"""Compile ``csrc/segserve_cpu.c`` on first use and cache the shared library.
+
+The kernels are plain C (no PyTorch headers), so a build takes about a second with the system C
+compiler. The library is compiled for this machine (``-march=native``) and cached under
+``$SEGSERVE_KERNEL_DIR`` (default ``~/.cache/segserve/kernels``), keyed by a hash of the source, the
+flags, the compiler's version and the CPU's feature flags, so a changed source or another CPU
+rebuilds. Nothing is downloaded.
+
+When the CPU lacks AVX-512F or AVX-512 BF16, or no compiler works, :func:`load` returns None with the
+reason in :func:`unavailable_reason` and segserve runs its eager PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).parent / "csrc" / "segserve_cpu.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
+ABI_VERSION = 1
+
+_loaded: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    """Where built libraries go: ``$SEGSERVE_KERNEL_DIR`` or ``~/.cache/segserve/kernels``."""
+    env = os.environ.get("SEGSERVE_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "segserve" / "kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "gcc")
+
+
+def _build(target: Path, cc: str) -> None:
+    """Compile into a temporary file beside ``target``, then rename: concurrent builders never see a
+    half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode:
+            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built now if needed), or None when it cannot be had on this machine.
+
+    Import ``torch`` first (this module's callers do): the library's OpenMP runtime is then the one
+    PyTorch already loaded (same soname), so both share one thread pool instead of two competing.
+    """
+    global _loaded, _reason, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    flags = _cpu_flags()
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    if platform.machine() not in ("x86_64", "AMD64") or missing:
+        _reason = f"CPU lacks {', '.join(missing) or 'x86-64'} (needed: {', '.join(REQUIRED_CPU_FLAGS)})"
+        return None
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        _reason = f"no C compiler ({cc}): {e}"
+        return None
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS), version, " ".join(sorted(flags))):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    target = cache_dir() / f"segserve_cpu_{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(target, cc)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _reason = f"could not build {SOURCE.name}: {e}"
+        return None
+    if lib.sg_abi_version() != ABI_VERSION:
+        _reason = f"{target} has ABI {lib.sg_abi_version()}, expected {ABI_VERSION}"
+        return None
+    _loaded = lib
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (None when it loaded or was not tried)."""
+    return _reason

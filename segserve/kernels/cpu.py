@@ -1,0 +1,286 @@
+"""PyTorch-facing wrappers of the compiled CPU kernels (``csrc/segserve_cpu.c``).
+
+Each wrapper checks what the C code relies on for memory safety (dtype, device, shapes, strides) and
+raises ``ValueError`` naming the bad value; whether to use a kernel at all is decided by the callers
+through :func:`enabled` and the ``supports_*`` helpers, which never raise.
+
+Switches: ``SEGSERVE_CPU_KERNELS=0`` in the environment turns the kernels off for the process;
+:func:`set_enabled` does it at run time (benchmarks ablate with it in one process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from contextlib import contextmanager
+
+import torch
+
+from segserve.kernels import build
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_PROLOGUES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
+
+# Largest row count for which the fused small-batch linear beats oneDNN's packed kernel, measured over
+# the 121 weights of SmolLM2-135M (benchmarks/bench_gemv.py, 2 threads, idle machine): float32 wins up
+# to 8 rows (M=8: 24.5 vs 30.7 ms); bfloat16 only up to 2 (M=4: 12.2 vs 8.5 ms, oneDNN's bf16 kernel
+# uses the weight tile for more rows at once).
+MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+
+_switch = os.environ.get("SEGSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+_lib = None
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_L = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES = {
+    "sg_linear": [_I, _I, _L, _L, _L, _P, _L, _I, _P, _F, _P, _P, _P, _L, _I],
+    "sg_rope": [_I, _L, _L, _L, _P, _L, _P, _P],
+    "sg_write_kv": [_I, _L, _L, _P, _L, _P, _L, _P, _L, _P],
+    "sg_decode_attention": [_I, _L, _L, _L, _L, _P, _L, _P, _P, _P, _L, _L, _P, _L, _P, _P, _L, _F],
+}
+_ERRORS = {-1: "unsupported shape", -2: "out of memory"}
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        lib = build.load()
+        if lib is None:
+            return None
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def enabled() -> bool:
+    """True when the kernels are switched on and built for this machine (builds on first call)."""
+    return _switch and _library() is not None
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch the kernels on or off for this process; returns the previous setting."""
+    global _switch
+    old, _switch = _switch, bool(flag)
+    return old
+
+
+@contextmanager
+def disabled():
+    """``with disabled():`` runs the eager PyTorch path (for ablations and oracle comparisons)."""
+    old = set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(old)
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are off: the environment switch, the CPU, or the build (None when on)."""
+    if not _switch:
+        return "switched off (SEGSERVE_CPU_KERNELS=0 or set_enabled(False))"
+    return None if _library() is not None else build.unavailable_reason()
+
+
+def _check(rc: int, name: str) -> None:
+    if rc:
+        raise RuntimeError(f"{name} failed: {_ERRORS.get(rc, rc)}")
+
+
+def _dtype_code(t: torch.Tensor, what: str) -> int:
+    code = _DTYPES.get(t.dtype)
+    if code is None or t.device.type != "cpu":
+        raise ValueError(f"{what} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+    return code
+
+
+def supports_linear(weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes this ``(N, K)`` weight (float32/bfloat16 CPU, contiguous, K a
+    multiple of 32, N of 4)."""
+    return (
+        weight.dtype in _DTYPES and weight.device.type == "cpu" and weight.dim() == 2
+        and weight.is_contiguous() and weight.shape[1] % 32 == 0 and weight.shape[0] % 4 == 0
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: str | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``prologue(x) @ weight.T + bias`` for a few rows, streaming ``weight`` once for all of them.
+
+    Args:
+        x: ``(M, K)`` (``(M, 2K)`` for ``silu_mul``: gate then up), the weight's dtype; rows may be
+            strided but each row contiguous.
+        weight: ``(N, K)``, see :func:`supports_linear`. bias: ``(N,)`` or None.
+        prologue: None; ``"rmsnorm"`` (``norm_weight * x / sqrt(mean(x^2) + eps)``, HF's
+            LlamaRMSNorm with its roundings); ``"silu_mul"`` (``silu(gate) * up``, SwiGLU).
+        residual: ``(M, N)`` contiguous, updated in place as ``residual += result`` (the product
+            rounded to the dtype first, like ``h.add_(linear(x))``) and returned.
+        out_dtype: dtype of a new output (default the weight's); float32 for logits.
+
+    Returns:
+        ``(M, N)``: ``residual`` when given, else a new tensor.
+
+    Raises:
+        ValueError: on a dtype, device or shape the kernel does not take (named with the limit).
+    """
+    dt = _dtype_code(weight, "weight")
+    if not supports_linear(weight):
+        raise ValueError(f"weight {tuple(weight.shape)} must be contiguous with K % 32 == 0 and N % 4 == 0")
+    n, k = weight.shape
+    width = 2 * k if prologue == "silu_mul" else k
+    if x.dtype != weight.dtype or x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be (M, {width}) {weight.dtype} with contiguous rows, got {tuple(x.shape)} {x.dtype}"
+        )
+    m = x.shape[0]
+    if prologue == "rmsnorm" and (
+        norm_weight is None or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
+    ):
+        raise ValueError(f"rmsnorm needs a ({k},) {x.dtype} norm_weight")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be ({n},) {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None:
+        if residual.shape != (m, n) or not residual.is_contiguous():
+            raise ValueError(f"residual must be a contiguous ({m}, {n}) tensor, got {tuple(residual.shape)}")
+        y = residual
+    else:
+        y = torch.empty(m, n, dtype=out_dtype or weight.dtype)
+    ydt = _dtype_code(y, "output")
+    if m == 0:
+        return y
+    rc = _library().sg_linear(
+        dt, ydt, m, n, k, x.data_ptr(), x.stride(0), _PROLOGUES[prologue],
+        None if norm_weight is None else norm_weight.data_ptr(), eps, weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, residual is not None,
+    )
+    _check(rc, "sg_linear")
+    return y
+
+
+def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first ``num_heads`` heads of each row of ``x`` in place (rotate-half RoPE).
+
+    Args:
+        x: ``(T, W)``, rows contiguous, ``W >= num_heads * head_dim`` (a fused QKV output: Q and K
+            heads first).
+        cos, sin: ``(T, head_dim)`` float32 contiguous, rows of ``segserve.models.llama.rope_table``
+            (``sin`` signed: first half negated). Rounded to ``x``'s dtype before use, as the eager path
+            does.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes or strides.
+    """
+    dt = _dtype_code(x, "x")
+    t = x.shape[0]
+    too_narrow = x.dim() != 2 or x.shape[1] < num_heads * head_dim
+    if too_narrow or x.stride(1) != 1 or head_dim % 2 or head_dim > 1024:
+        raise ValueError(f"x {tuple(x.shape)} cannot hold {num_heads} heads of even dim {head_dim} <= 1024")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dtype != torch.float32 or table.shape != (t, head_dim) or not table.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 ({t}, {head_dim}), got {tuple(table.shape)}")
+    lib = _library()
+    rc = lib.sg_rope(dt, t, num_heads, head_dim, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr())
+    _check(rc, "sg_rope")
+
+
+def supports_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the C KV-cache kernels take this ``[2, num_blocks, block_size, Hkv, D]`` cache for
+    activations of ``dtype`` (same dtype, CPU, contiguous, D a multiple of 16 up to 256)."""
+    return (
+        kv_cache.dtype == dtype and dtype in _DTYPES and kv_cache.device.type == "cpu"
+        and kv_cache.dim() == 5 and kv_cache.is_contiguous() and kv_cache.shape[4] % 16 == 0
+        and kv_cache.shape[4] <= 256
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store rows ``[:len(slot_mapping)]`` of ``k``, ``v`` (``[T, Hkv, D]``, each row contiguous, the
+    cache's dtype) at their slots of ``kv_cache`` (see :func:`supports_cache`).
+
+    Raises:
+        ValueError: on a shape or dtype mismatch, or a slot outside ``[0, num_blocks * block_size)``.
+    """
+    dt = _dtype_code(kv_cache, "kv_cache")
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    n = slot_mapping.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != kv_cache.dtype or t.shape[1:] != (hkv, d) or t.shape[0] < n or t.stride(2) != 1 \
+                or t.stride(1) != d:
+            raise ValueError(
+                f"{name} must be [>= {n}, {hkv}, {d}] {kv_cache.dtype} rows, got {tuple(t.shape)}"
+            )
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    slots = slots.contiguous()
+    rc = _library().sg_write_kv(
+        dt, n, hkv * d, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(),
+        num_blocks * block_size, slots.data_ptr(),
+    )
+    if rc:
+        raise ValueError(f"a slot in slot_mapping is outside [0, {num_blocks * block_size})")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    reqs: torch.Tensor,
+    lens: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> None:
+    """Decode attention through the block table, in place, segment by segment (split-KV + LSE merge).
+
+    Args:
+        q: ``[T, Hq, D]``, the cache's dtype, heads contiguous within a row (a view of a fused QKV
+            output is fine). out: ``[T, Hq, D]`` contiguous, same dtype. Decode ``j`` reads
+            ``q[rows[j]]`` and writes ``out[rows[j]]`` (other rows untouched).
+        rows, reqs, lens: ``(n,)`` int64: batch row, block-table row, and tokens to attend (its own
+            token included, already written to the cache) of each decode.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` (see :func:`supports_cache`).
+        block_table: ``[B, max_blocks_per_seq]`` int32 contiguous.
+        kv_segment_size: tokens per segment (one work item per decode, KV head and segment).
+
+    Raises:
+        ValueError: on a shape or dtype mismatch or a length outside ``[1, max_blocks * block_size]``.
+    """
+    dt = _dtype_code(kv_cache, "kv_cache")
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    n = rows.shape[0]
+    for name, t in (("q", q), ("out", out)):
+        if t.dtype != kv_cache.dtype or t.dim() != 3 or t.shape[1:] != (hq, d) or t.stride(2) != 1 \
+                or t.stride(1) != d or (t is out and not t.is_contiguous()):
+            raise ValueError(f"{name} must be [T, {hq}, {d}] {kv_cache.dtype} rows, got {tuple(t.shape)}")
+    if out.shape[0] != q.shape[0]:
+        raise ValueError(f"out has {out.shape[0]} rows, q {q.shape[0]}")
+    if hq % hkv or hq // hkv > 16:
+        raise ValueError(f"{hq} query heads over {hkv} KV heads: need a multiple, at most 16 per KV head")
+    if block_table.dtype != torch.int32 or not block_table.is_contiguous() or block_table.dim() != 2:
+        raise ValueError("block_table must be a contiguous 2-D int32 tensor")
+    for name, t in (("rows", rows), ("reqs", reqs), ("lens", lens)):
+        if t.dtype != torch.int64 or t.shape != (n,) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous ({n},) int64 tensor")
+    if n == 0:
+        return
+    rc = _library().sg_decode_attention(
+        dt, n, hq, hkv, d, q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), kv_cache.data_ptr(),
+        num_blocks, block_size, block_table.data_ptr(), block_table.shape[1], reqs.data_ptr(),
+        lens.data_ptr(), kv_segment_size, scale,
+    )
+    if rc == -1:
+        raise ValueError(f"a decode length is outside [1, {block_table.shape[1] * block_size}]")
+    _check(rc, "sg_decode_attention")
