@@ -3,11 +3,14 @@ same token ids under every chunking budget, prefix-cache state, batch mix and pr
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from segserve import LLMEngine, SamplingParams
 from segserve.entrypoints.cli import default_document
+from segserve.kernels import cpu as cpu_kernels
 
 from .conftest import NUM_TOKENS, finish_all, requires_model
 
@@ -83,11 +86,14 @@ def assert_matches_hf(outs, prompts, hf_greedy) -> None:
         dict(max_num_batched_tokens=17, num_batched_tokens_buckets=(17,)),  # odd, unaligned chunks
         dict(attention_backend="reference", max_num_batched_tokens=256),
         dict(kv_segment_size=1024, block_size=64, max_num_batched_tokens=300),
+        dict(eager=True),  # the compiled CPU kernels switched off: PyTorch ops only
     ],
-    ids=["default", "unchunked", "budget64", "budget17", "reference", "seg1024-bs64"],
+    ids=["default", "unchunked", "budget64", "budget17", "reference", "seg1024-bs64", "eager"],
 )
 def test_greedy_matches_transformers(smollm, prompts, hf_greedy, settings):
-    outs = run_all(engine(smollm, **settings), prompts)
+    settings = dict(settings)
+    with cpu_kernels.disabled() if settings.pop("eager", False) else contextlib.nullcontext():
+        outs = run_all(engine(smollm, **settings), prompts)
     assert_matches_hf(outs, prompts, hf_greedy)
 
 

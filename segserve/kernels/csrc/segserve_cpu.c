@@ -220,14 +220,16 @@ int sg_rope(int dt, int64_t T, int64_t H, int64_t D, void *x, int64_t row_stride
 }
 
 /* Copy rows t < n of k and v (each row Hkv*D values of dt, row strides ldk/ldv) into cache slots
- * slot_mapping[t] of the [2, num_slots, Hkv*D] cache (same dt). */
+ * slot_mapping[t] of the [2, num_slots, Hkv*D] cache (same dt). ERR_SHAPE, writing nothing, when a slot
+ * is outside [0, num_slots). */
 int sg_write_kv(int dt, int64_t n, int64_t width, const void *k, int64_t ldk, const void *v, int64_t ldv,
                 void *cache, int64_t num_slots, const int64_t *slot_mapping) {
     size_t es = dt == DT_F32 ? 4 : 2;
     char *c = (char *)cache;
+    for (int64_t t = 0; t < n; t++) /* all checked before any write: a bad slot leaves the cache as it was */
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return ERR_SHAPE;
     for (int64_t t = 0; t < n; t++) {
         int64_t slot = slot_mapping[t];
-        if (slot < 0 || slot >= num_slots) return ERR_SHAPE;
         memcpy(c + (size_t)slot * width * es, (const char *)k + (size_t)t * ldk * es, width * es);
         memcpy(c + (size_t)(num_slots + slot) * width * es, (const char *)v + (size_t)t * ldv * es, width * es);
     }

@@ -1,0 +1,244 @@
+"""The compiled CPU kernels (segserve/kernels) against the eager PyTorch ops they replace.
+
+Tolerances: float32 linears agree with ``F.linear`` within 1e-5 (summation order only; observed
+<= 2e-6); bfloat16 linears within one bfloat16 ulp of the float32 product of the same inputs (rtol
+2**-7), RMSNorm and RoPE are bitwise the eager result in float32 (RoPE also in bfloat16). Attention
+uses the tolerances of test_attention.py against the same SDPA oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import make_case, sdpa_oracle
+
+from segserve.attention.kv_store import write_kv
+from segserve.attention.segmented import SegmentedAttentionBackend
+from segserve.kernels import build
+from segserve.kernels import cpu as cpu_kernels
+from segserve.models.llama import LlamaConfig, RMSNorm, apply_rope, rope_table
+
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+BF16_ULP = {"atol": 1e-3, "rtol": 2**-7}
+ATTN_BF16_TOL = {"atol": 2e-2, "rtol": 0.0}
+CPU_READY = all(flag in build._cpu_flags() for flag in build.REQUIRED_CPU_FLAGS)
+
+pytestmark = pytest.mark.skipif(not CPU_READY, reason="CPU lacks AVX-512F / AVX-512 BF16")
+
+
+@pytest.fixture(autouse=True)
+def kernels_on():
+    old = cpu_kernels.set_enabled(True)
+    yield
+    cpu_kernels.set_enabled(old)
+
+
+def test_kernels_build_and_load_on_this_cpu() -> None:
+    assert cpu_kernels.enabled(), cpu_kernels.unavailable_reason()
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.enabled()
+        assert "switched off" in cpu_kernels.unavailable_reason()
+    assert cpu_kernels.enabled()
+
+
+# --- linear ---------------------------------------------------------------------------------------
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (0.05 * torch.randn(n, k, generator=gen)).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8])
+def test_linear_float32_matches_f_linear(m: int) -> None:
+    x, w, b = _inputs(m, 964, 576, torch.float32, seed=m)
+    torch.testing.assert_close(cpu_kernels.linear(x, w, b), F.linear(x, w, b), **FP32_TOL)
+    torch.testing.assert_close(cpu_kernels.linear(x, w), F.linear(x, w), **FP32_TOL)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_linear_bfloat16_within_one_ulp_of_the_float32_product(m: int) -> None:
+    x, w, b = _inputs(m, 512, 1536, torch.bfloat16, seed=m)
+    y = cpu_kernels.linear(x, w, b)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(), b.float()), **BF16_ULP)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_prologue_is_the_eager_norm_then_the_linear(dtype: torch.dtype) -> None:
+    x, w, _ = _inputs(3, 256, 576, dtype, seed=4)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(576)).to(dtype)
+    y = cpu_kernels.linear(x, w, prologue="rmsnorm", norm_weight=norm.weight.data, eps=1e-5)
+    with torch.no_grad():
+        ref = F.linear(norm(x).float(), w.float())
+    # bfloat16: a normed input may round to the neighbouring value (norm summation order)
+    tol = FP32_TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2**-6}
+    torch.testing.assert_close(y.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_prologue_with_residual_add_is_swiglu_down_plus_h(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(2, 2 * 96, generator=gen).to(dtype)
+    w = (0.1 * torch.randn(64, 96, generator=gen)).to(dtype)
+    h = torch.randn(2, 64, generator=gen).to(dtype)
+    h0 = h.clone()
+    out = cpu_kernels.linear(gate_up, w, prologue="silu_mul", residual=h)
+    assert out is h
+    gate, up = gate_up.split(96, dim=-1)
+    ref = h0 + F.linear(F.silu(gate) * up, w)  # the eager rounding points: silu, mul, linear, add
+    torch.testing.assert_close(h.float(), ref.float(), **(FP32_TOL if dtype == torch.float32 else BF16_ULP))
+
+
+def test_float32_logits_of_a_bfloat16_linear_are_its_rounded_products() -> None:
+    x, w, _ = _inputs(2, 300, 64, torch.bfloat16, seed=6)
+    logits = cpu_kernels.linear(x, w, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    # Rounded to bf16 first, as F.linear(x, w).float() is.
+    assert torch.equal(logits, logits.to(torch.bfloat16).float())
+    torch.testing.assert_close(logits, F.linear(x.float(), w.float()), **BF16_ULP)
+
+
+def test_linear_rejects_what_the_kernel_cannot_take() -> None:
+    x, w, _ = _inputs(2, 64, 64, torch.float32)
+    with pytest.raises(ValueError, match=r"K % 32 == 0 and N % 4 == 0"):
+        cpu_kernels.linear(x[:, :40].contiguous(), w[:, :40].contiguous())
+    with pytest.raises(ValueError, match=r"x must be \(M, 64\) torch.float32"):
+        cpu_kernels.linear(x.to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"x must be \(M, 128\)"):
+        cpu_kernels.linear(x, w, prologue="silu_mul")
+    with pytest.raises(ValueError, match=r"rmsnorm needs a \(64,\)"):
+        cpu_kernels.linear(x, w, prologue="rmsnorm")
+    with pytest.raises(ValueError, match=r"residual must be a contiguous \(2, 64\)"):
+        cpu_kernels.linear(x, w, residual=torch.zeros(3, 64))
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU tensor, got torch.float16"):
+        cpu_kernels.linear(x.half(), w.half())
+    assert not cpu_kernels.supports_linear(w[:, :40])  # callers ask first; this never raises
+
+
+# --- RoPE and KV writes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_is_bitwise_the_eager_rotation(dtype: torch.dtype) -> None:
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    cos, sin = rope_table(cfg)
+    pos = torch.tensor([0, 1, 77, 4095, 2048])
+    qkv = torch.randn(5, 8 * 64, generator=torch.Generator().manual_seed(7)).to(dtype)  # 4 q, 2 k, 2 v heads
+    ref = apply_rope(qkv.view(5, 8, 64)[:, :6], cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype))
+    x = qkv.clone()
+    cpu_kernels.rope_(x, 6, 64, cos[pos], sin[pos])
+    assert torch.equal(x.view(5, 8, 64)[:, :6], ref)
+    assert torch.equal(x.view(5, 8, 64)[:, 6:], qkv.view(5, 8, 64)[:, 6:])  # V heads untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_the_eager_index_copy(dtype: torch.dtype) -> None:
+    case = make_case([5, 1, 3], [0, 17, 40], block_size=16, seg=512, pad=2, seed=8, dtype=dtype)
+    compiled, eager = case.cache.clone(), case.cache.clone()
+    write_kv(compiled, case.k, case.v, case.metadata.slot_mapping)
+    with cpu_kernels.disabled():
+        write_kv(eager, case.k, case.v, case.metadata.slot_mapping)
+    assert torch.equal(compiled, eager)
+    assert not torch.equal(compiled, case.cache)
+
+
+def test_write_kv_with_a_bad_slot_raises_and_writes_nothing() -> None:
+    case = make_case([4], [0], block_size=16, seg=512, seed=9)
+    cache = case.cache.clone()
+    slots = case.metadata.slot_mapping.clone()
+    slots[2] = cache.shape[1] * cache.shape[2]  # one past the last slot
+    limit = cache.shape[1] * cache.shape[2]
+    with pytest.raises(ValueError, match=rf"outside \[0, {limit}\)"):
+        cpu_kernels.write_kv(cache, case.k, case.v, slots)
+    assert torch.equal(cache, case.cache)  # rows 0-1 (valid slots) were not written either
+
+
+# --- decode attention -----------------------------------------------------------------------------
+
+SEGMENTS_AND_BLOCKS = [(512, 16), (1024, 64), (2048, 128), (4096, 16)]
+
+
+def _mixed(seg: int, block_size: int) -> tuple[list[int], list[int]]:
+    """Decodes and chunks over empty, exact-segment, partial-segment, block-unaligned and short priors."""
+    priors = [0, 2 * seg, seg + seg // 2, seg + 3 * block_size + 5, block_size + 1]
+    return [1, 7] * len(priors), [p for p in priors for _ in (0, 1)]
+
+
+@pytest.mark.parametrize("seg,block_size", SEGMENTS_AND_BLOCKS)
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 1), 32), ((16, 1), 128)])
+def test_backend_with_compiled_decodes_matches_sdpa(seg, block_size, heads, head_dim) -> None:
+    query_lens, priors = _mixed(seg, block_size)
+    case = make_case(query_lens, priors, block_size=block_size, seg=seg, heads=heads, head_dim=head_dim,
+                     pad=3, seed=seg + block_size)
+    cache = case.cache.clone()
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, cache, case.metadata, case.scale)
+    t = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+    assert torch.count_nonzero(out[t:]) == 0  # padding rows
+
+
+@pytest.mark.parametrize("priors", [[700], [2100, 900, 40], [40, 2100, 900]])
+def test_decode_only_steps_bfloat16_match_sdpa(priors: list[int]) -> None:
+    case = make_case([1] * len(priors), priors, block_size=16, seg=512, dtype=torch.bfloat16, seed=10)
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                              case.scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), sdpa_oracle(case, case.cache), **ATTN_BF16_TOL)
+
+
+def test_compiled_decodes_equal_the_eager_kernel_on_the_seed_example() -> None:
+    """Seed 000, "Partial KV Segment Handling": a prior of 3584 in segments of 1024 (3 full + 512)."""
+    case = make_case([1], [3584], block_size=128, seg=1024, seed=11)
+    compiled = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                                   case.scale)
+    with cpu_kernels.disabled():
+        eager = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                                    case.scale)
+    torch.testing.assert_close(compiled, eager, **FP32_TOL)
+
+
+def test_decode_attention_rejects_a_length_past_the_block_table() -> None:
+    case = make_case([1], [40], block_size=16, seg=512, seed=12)
+    md = case.metadata
+    out = torch.zeros_like(case.q)
+    too_long = md.block_table.shape[1] * 16 + 1
+    args = (case.q, out, torch.tensor([0]), case.cache, md.block_table, torch.tensor([0]))
+    with pytest.raises(ValueError, match=rf"outside \[1, {too_long - 1}\]"):
+        cpu_kernels.decode_attention(*args, torch.tensor([too_long]), 512, case.scale)
+    with pytest.raises(ValueError, match=r"outside \[1, "):
+        cpu_kernels.decode_attention(*args, torch.tensor([0]), 512, case.scale)
+    with pytest.raises(ValueError, match="block_table must be a contiguous 2-D int32"):
+        cpu_kernels.decode_attention(*args[:4], md.block_table.long(), args[5], torch.tensor([41]), 512, 1.0)
+    assert torch.count_nonzero(out) == 0
+
+
+# --- build ----------------------------------------------------------------------------------------
+
+
+def _probe(env: dict[str, str]) -> str:
+    code = ("import torch\nfrom segserve.kernels import cpu\n"
+            "print(cpu.enabled(), cpu.unavailable_reason())")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_build_goes_to_the_cache_dir_and_a_missing_compiler_falls_back(tmp_path: Path) -> None:
+    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"
+    assert len(list(tmp_path.glob("segserve_cpu_*.so"))) == 1
+    out = _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path / "other"), "CC": "/nonexistent/cc"})
+    assert out.startswith("False no C compiler (/nonexistent/cc)")
+    assert _probe({"SEGSERVE_CPU_KERNELS": "0"}).startswith("False switched off")
