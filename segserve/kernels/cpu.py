@@ -39,6 +39,9 @@ _SIGNATURES = {
     "sg_rope": [_I, _L, _L, _L, _P, _L, _P, _P],
     "sg_write_kv": [_I, _L, _L, _P, _L, _P, _L, _P, _L, _P],
     "sg_decode_attention": [_I, _L, _L, _L, _L, _P, _L, _P, _P, _P, _L, _L, _P, _L, _P, _P, _L, _F],
+    "sg_decode_stack": [
+        _I, _L, _P, _L, _L, _L, _L, _L, _L, _F, _P, _P, _P, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _F
+    ],
 }
 _ERRORS = {-1: "unsupported shape", -2: "out of memory"}
 
@@ -284,3 +287,108 @@ def decode_attention(
     if rc == -1:
         raise ValueError(f"a decode length is outside [1, {block_table.shape[1] * block_size}]")
     _check(rc, "sg_decode_attention")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")]
+
+
+class DecodeStack:
+    """Every layer's weights and KV cache as :func:`sg_decode_stack` reads them: pointers, built once
+    per model and cache set (the tensors are held, so they outlive the pointers).
+
+    Args:
+        layers: per layer ``(ln1 (H,), qkv (Nqkv, H), qkv_bias (Nqkv,) or None, o (H, Hq D), ln2 (H,),
+            gate_up (2 I, H), down (H, I), kv_cache [2, num_blocks, block_size, Hkv, D])``, all one
+            dtype, contiguous. ``Nqkv = (Hq + 2 Hkv) D``.
+        num_heads, num_kv_heads, head_dim: Hq, Hkv, D. eps: RMSNorm epsilon.
+
+    Raises:
+        ValueError: naming the first tensor whose dtype, layout or shape does not fit.
+    """
+
+    def __init__(self, layers: list[tuple], num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        ln1, qkv, _, _, _, gate_up, _, cache = layers[0]
+        self.dtype = qkv.dtype
+        self.hidden, self.inter = qkv.shape[1], gate_up.shape[0] // 2
+        self.heads, self.kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        self.cache_shape = tuple(cache.shape)
+        h, i, nqkv = self.hidden, self.inter, (num_heads + 2 * num_kv_heads) * head_dim
+        shapes = (
+            (h,), (nqkv, h), (nqkv,), (h, num_heads * head_dim), (h,), (2 * i, h), (h, i), self.cache_shape
+        )
+        names = ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")
+        for n, layer in enumerate(layers):
+            for name, t, shape in zip(names, layer, shapes, strict=True):
+                if t is None and name == "qkv_bias":
+                    continue
+                fits = t.dtype == self.dtype and t.device.type == "cpu" and t.is_contiguous()
+                if not fits or t.shape != shape:
+                    raise ValueError(
+                        f"layer {n} {name}: need contiguous {shape} {self.dtype} on CPU, got "
+                        f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                    )
+        _dtype_code(qkv, "weights")
+        if h % 32 or i % 32 or head_dim % 16 or head_dim > 256 or num_heads % num_kv_heads \
+                or num_heads // num_kv_heads > 16:
+            raise ValueError(
+                f"hidden {h} and intermediate {i} must be multiples of 32, head_dim {head_dim} a multiple of "
+                f"16 up to 256, and {num_heads} heads at most 16 per each of {num_kv_heads} KV heads"
+            )
+        self._tensors = layers
+        self._array = (_Layer * len(layers))(
+            *[_Layer(*[None if t is None else t.data_ptr() for t in layer]) for layer in layers]
+        )
+        self._arange = torch.arange(0)
+
+    def run(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        lens: torch.Tensor,
+        kv_segment_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned.
+
+        Rows ``0..n-1`` are the decodes (row ``j`` is block-table row ``j``), ``n = len(lens)``; the
+        rest are padding. ``cos``/``sin`` ``(M, D)`` float32 RoPE rows; ``slot_mapping`` ``(n,)``
+        int64; ``block_table`` ``[>= n, max_blocks]`` int32 contiguous; ``lens`` ``(n,)`` int64 tokens
+        each decode attends to (its own included).
+
+        Raises:
+            ValueError: on a shape or dtype mismatch, or a slot or length out of range (nothing is
+                written then).
+        """
+        m, n = h.shape[0], lens.shape[0]
+        if h.dtype != self.dtype or h.shape != (m, self.hidden) or not h.is_contiguous():
+            raise ValueError(f"h must be contiguous (M, {self.hidden}) {self.dtype}, got {tuple(h.shape)}")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dtype != torch.float32 or t.shape != (m, self.head_dim) or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous float32 ({m}, {self.head_dim})")
+        for name, t in (("slot_mapping", slot_mapping), ("lens", lens)):
+            if t.dtype != torch.int64 or t.shape != (n,) or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous ({n},) int64 tensor")
+        if block_table.dtype != torch.int32 or not block_table.is_contiguous() or block_table.dim() != 2 \
+                or block_table.shape[0] < n or n > m:
+            raise ValueError(f"block_table must be contiguous int32 [>= {n}, blocks] and n <= {m} rows")
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]))
+        _, num_blocks, block_size, _, _ = self.cache_shape
+        rc = _library().sg_decode_stack(
+            _DTYPES[self.dtype], len(self._array), self._array, m, self.hidden, self.inter, self.heads,
+            self.kv_heads, self.head_dim, self.eps, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_blocks,
+            block_size, n, slot_mapping.data_ptr(), self._arange.data_ptr(), block_table.data_ptr(),
+            block_table.shape[1], self._arange.data_ptr(), lens.data_ptr(), kv_segment_size, scale,
+        )
+        if rc == -1:
+            raise ValueError(
+                f"a slot is outside [0, {num_blocks * block_size}) or a length outside "
+                f"[1, {block_table.shape[1] * block_size}]"
+            )
+        _check(rc, "sg_decode_stack")
+        return h

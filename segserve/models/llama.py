@@ -388,6 +388,9 @@ class LlamaForCausalLM(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._packed_lm_head: torch.Tensor | None = None
         self._kernel_fit: dict[torch.dtype, bool] = {}  # per dtype: do all weights fit the C kernels
+        # The compiled decode step's pointers to every weight and cache, keyed on the caches.
+        self._stack: cpu_kernels.DecodeStack | None = None
+        self._stack_key: tuple | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -412,9 +415,43 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # (T, H)
         compiled = self._compiled_kernels_fit(h)
         cos, sin = self._rope_at(positions, h.dtype, compiled)  # shared by all layers
+        stack = self._decode_stack(h, kv_caches, metadata) if compiled else None
+        if stack is not None:  # a decode-only step: every layer in one compiled call
+            stack.run(h, cos, sin, metadata.slot_mapping, metadata.block_table, metadata.seq_lens.long(),
+                      metadata.kv_segment_size, self.layers[0].self_attn.scale)
+            return self.norm(h)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, metadata, compiled)
         return self.norm(h)
+
+    def _decode_stack(
+        self, h: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
+    ) -> cpu_kernels.DecodeStack | None:
+        """The compiled whole-step path when this step is decodes only (one row per request, few
+        rows) over the segmented backend and caches it takes; else None. Built once per cache set."""
+        if (
+            h.shape[0] > cpu_kernels.MAX_SMALL_ROWS[h.dtype] or metadata.max_query_len != 1
+            or metadata.num_actual_tokens != metadata.num_reqs
+            or getattr(self.layers[0].self_attn.attn_backend, "name", None) != "segmented"
+        ):
+            return None
+        key = (h.dtype, *(kv.data_ptr() for kv in kv_caches))
+        if self._stack_key != key:
+            self._stack_key = key
+            self._stack = None
+            if all(cpu_kernels.supports_cache(kv, h.dtype) for kv in kv_caches):
+                layers = [
+                    (ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
+                     ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight,
+                     ly.mlp.gate_up_proj.weight, ly.mlp.down_proj.weight, kv)
+                    for ly, kv in zip(self.layers, kv_caches, strict=True)
+                ]
+                c = self.config
+                self._stack = cpu_kernels.DecodeStack(
+                    [tuple(None if t is None else t.detach() for t in layer) for layer in layers],
+                    c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                )
+        return self._stack
 
     def _compiled_kernels_fit(self, h: torch.Tensor) -> bool:
         """Whether this step can use the compiled CPU kernels: switched on and built, CPU activations
@@ -461,6 +498,7 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         count = sum(m.pack() for m in linears)
         self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
+        self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
         if self.lm_head is None:  # tied: the LM head reads the embedding matrix
             self._packed_lm_head = pack_weight(self.embed_tokens.weight)
         else:

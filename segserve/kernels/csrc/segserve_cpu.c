@@ -11,6 +11,8 @@
  *   sg_decode_attention  decode attention through the block table, in place (no gathered copy), split
  *                        into fixed-size KV segments whose partials merge by log-sum-exp
  *                        (FlashAttention's online softmax; "Flash-Decoding" split-KV, Dao et al. 2023).
+ *   sg_decode_stack      all layers of a decode-only step in one call (the above, in the eager order), so
+ *                        a batch-1 step pays Python's per-op cost once instead of ~200 times.
  *
  * Numerics: float32 accumulation everywhere. Elementwise results are rounded to the activation dtype at
  * the points where the eager model rounds (so float32 prologues and RoPE match it exactly); reductions
@@ -70,13 +72,76 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+/* exp(x) for float32 lanes (Cephes expf's range reduction and polynomial; ~1 ulp), inputs clamped below
+ * at -87.3 so the result underflows to ~0 rather than misbehaving. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Round float32 lanes to dt (bfloat16: vcvtneps2bf16, round to nearest even). */
+static inline __m512 round16(__m512 v, int dt) {
+    if (dt == DT_F32) return v;
+    __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+static inline __m512 load16(const void *p, int64_t i, int dt) {
+    return dt == DT_F32 ? _mm512_loadu_ps((const float *)p + i) : bf16x16_to_f32((const uint16_t *)p + i);
+}
+
+/* Store 16 lanes holding dt values: float32 as they are, bfloat16 by truncation (they are exact). */
+static inline void store16(void *p, int64_t i, __m512 v, int dt) {
+    if (dt == DT_F32) _mm512_storeu_ps((float *)p + i, v);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)p + i),
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
 
 /* ---- linear ------------------------------------------------------------------------------------- */
 
-/* One NT x (up to MT) tile: acc[i][j] = dot(x row m0+i, W row n0+j) over K, float32 weights. */
-static inline void tile_f32(const float *w, const float *x, int64_t K, int64_t n0, int64_t m0, int mt,
-                            float out[MT][NT]) {
+/* Four lanes rounded to bfloat16 (nearest even) and widened back. */
+static inline __m128 round4_bf16(__m128 v) {
+    __m128i b = (__m128i)_mm_cvtneps_pbh(v); /* 4 bf16 in the low 64 bits */
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b), 16));
+}
+
+static inline __m128 load4(const void *p, int64_t i, int dt) {
+    if (dt == DT_F32) return _mm_loadu_ps((const float *)p + i);
+    __m128i b = _mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i));
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b), 16));
+}
+
+/* Store four lanes holding dt values (bfloat16: exact, so truncation is the conversion). */
+static inline void store4(void *p, int64_t i, __m128 v, int dt) {
+    if (dt == DT_F32) _mm_storeu_ps((float *)p + i, v);
+    else _mm_storel_epi64((__m128i *)((uint16_t *)p + i),
+                          _mm_cvtepi32_epi16(_mm_srli_epi32(_mm_castps_si128(v), 16)));
+}
+
+/* Sums of four accumulators' lanes -> (sum a0, sum a1, sum a2, sum a3). */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+#define HALF(a) _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)))
+    __m256 t0 = _mm256_hadd_ps(HALF(a0), HALF(a1)); /* a0 01 23, a1 01 23 | a0 45 67, a1 45 67 */
+    __m256 t1 = _mm256_hadd_ps(HALF(a2), HALF(a3));
+    __m256 t2 = _mm256_hadd_ps(t0, t1); /* a0 a1 a2 a3 (low 4 of 8) | the same over the high 4 */
+#undef HALF
+    return _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1));
+}
+
+/* One NT x (up to MT) tile: out[i] = (dot(x row m0+i, W rows n0..n0+3)) over K, float32 weights. */
+static inline __attribute__((always_inline)) void tile_f32(const float *w, const float *x, int64_t ldx, int64_t K, int64_t n0, int64_t m0,
+                            int mt, __m128 out[MT]) {
     const float *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
     __m512 a[MT][NT];
     for (int i = 0; i < MT; i++)
@@ -86,20 +151,19 @@ static inline void tile_f32(const float *w, const float *x, int64_t K, int64_t n
         __m512 v2 = _mm512_loadu_ps(w2 + k), v3 = _mm512_loadu_ps(w3 + k);
         for (int i = 0; i < MT; i++) {
             if (i >= mt) break;
-            __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
+            __m512 xv = _mm512_loadu_ps(x + (m0 + i) * ldx + k);
             a[i][0] = _mm512_fmadd_ps(v0, xv, a[i][0]);
             a[i][1] = _mm512_fmadd_ps(v1, xv, a[i][1]);
             a[i][2] = _mm512_fmadd_ps(v2, xv, a[i][2]);
             a[i][3] = _mm512_fmadd_ps(v3, xv, a[i][3]);
         }
     }
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NT; j++) out[i][j] = _mm512_reduce_add_ps(a[i][j]);
+    for (int i = 0; i < mt; i++) out[i] = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
 }
 
 /* The same for bfloat16 weights and bfloat16 x: vdpbf16ps multiplies pairs exactly and sums in float32. */
-static inline void tile_bf16(const uint16_t *w, const uint16_t *x, int64_t K, int64_t n0, int64_t m0, int mt,
-                             float out[MT][NT]) {
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *w, const uint16_t *x, int64_t ldx, int64_t K, int64_t n0,
+                             int64_t m0, int mt, __m128 out[MT]) {
     const uint16_t *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
     __m512 a[MT][NT];
     for (int i = 0; i < MT; i++)
@@ -109,42 +173,44 @@ static inline void tile_bf16(const uint16_t *w, const uint16_t *x, int64_t K, in
         __m512bh v2 = (__m512bh)_mm512_loadu_si512(w2 + k), v3 = (__m512bh)_mm512_loadu_si512(w3 + k);
         for (int i = 0; i < MT; i++) {
             if (i >= mt) break;
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * ldx + k);
             a[i][0] = _mm512_dpbf16_ps(a[i][0], v0, xv);
             a[i][1] = _mm512_dpbf16_ps(a[i][1], v1, xv);
             a[i][2] = _mm512_dpbf16_ps(a[i][2], v2, xv);
             a[i][3] = _mm512_dpbf16_ps(a[i][3], v3, xv);
         }
     }
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NT; j++) out[i][j] = _mm512_reduce_add_ps(a[i][j]);
+    for (int i = 0; i < mt; i++) out[i] = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
 }
 
-/* The prologue's result for row m, rounded to dt where the eager model rounds, into xin (float32 values
- * that dt represents exactly). */
+/* The prologue's result for row m of x into row m of xin (K values of dt), rounded to dt where the
+ * eager model rounds. */
 static void prologue_row(int dt, int prologue, int64_t K, const void *x, int64_t ldx, int64_t m,
-                         const void *norm_w, float eps, float *xin) {
-    int64_t base = m * ldx;
+                         const void *norm_w, float eps, void *xin) {
+    int64_t base = m * ldx, out = m * K;
     if (prologue == PRO_RMSNORM) {
         /* HF LlamaRMSNorm: x32 * rsqrt(mean(x32^2) + eps), rounded to dt, then weight * that. */
-        double ss = 0.0;
-        for (int64_t k = 0; k < K; k++) {
-            float v = load_dt(x, base + k, dt);
-            ss += (double)v * v;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 v = load16(x, base + k, dt);
+            ss = _mm512_fmadd_ps(v, v, ss);
         }
-        float inv = 1.0f / sqrtf((float)(ss / (double)K) + eps);
-        for (int64_t k = 0; k < K; k++) {
-            float v = round_dt(load_dt(x, base + k, dt) * inv, dt);
-            xin[k] = round_dt(load_dt(norm_w, k, dt) * v, dt);
+        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)K + eps));
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 v = round16(_mm512_mul_ps(load16(x, base + k, dt), inv), dt);
+            store16(xin, out + k, round16(_mm512_mul_ps(load16(norm_w, k, dt), v), dt), dt);
         }
     } else if (prologue == PRO_SILU_MUL) {
-        /* x row is [gate (K) | up (K)]: silu(gate) rounded, times up, rounded. */
-        for (int64_t k = 0; k < K; k++) {
-            float s = round_dt(silu(load_dt(x, base + k, dt)), dt);
-            xin[k] = round_dt(s * load_dt(x, base + K + k, dt), dt);
+        /* x row is [gate (K) | up (K)]: silu(gate) = gate / (1 + exp(-gate)) rounded, times up, rounded. */
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 g = load16(x, base + k, dt);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 sg = round16(_mm512_div_ps(g, _mm512_add_ps(one, e)), dt);
+            store16(xin, out + k, round16(_mm512_mul_ps(sg, load16(x, base + K + k, dt)), dt), dt);
         }
     } else {
-        for (int64_t k = 0; k < K; k++) xin[k] = load_dt(x, base + k, dt);
+        for (int64_t k = 0; k < K; k += 16) store16(xin, out + k, load16(x, base + k, dt), dt);
     }
 }
 
@@ -157,37 +223,49 @@ int sg_linear(int dt, int ydt, int64_t M, int64_t N, int64_t K, const void *x, i
               const void *norm_w, float eps, const void *w, const void *bias, void *y, int64_t ldy,
               int accumulate) {
     if (M < 1 || K % 32 || N % NT) return ERR_SHAPE;
-    float *xin = (float *)malloc(sizeof(float) * M * K);
-    uint16_t *xb = dt == DT_BF16 ? (uint16_t *)malloc(sizeof(uint16_t) * M * K) : NULL;
-    if (!xin || (dt == DT_BF16 && !xb)) {
-        free(xin);
-        free(xb);
-        return ERR_NOMEM;
+    size_t es = dt == DT_F32 ? 4 : 2;
+    const void *xin = x;
+    void *buf = NULL;
+    int64_t ld = ldx;
+    if (prologue != PRO_NONE) { /* rows of the prologue's output, K values each */
+        buf = malloc(es * M * K);
+        if (!buf) return ERR_NOMEM;
+        for (int64_t m = 0; m < M; m++) prologue_row(dt, prologue, K, x, ldx, m, norm_w, eps, buf);
+        xin = buf;
+        ld = K;
     }
-    for (int64_t m = 0; m < M; m++) prologue_row(dt, prologue, K, x, ldx, m, norm_w, eps, xin + m * K);
-    if (xb)
-        for (int64_t i = 0; i < M * K; i++) xb[i] = f32_to_bf16(xin[i]); /* exact: already dt values */
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NT) {
-        float acc[MT][NT];
+        __m128 acc[MT];
+        __m128 b = _mm_setzero_ps();
+        if (bias)
+            for (int j = 0; j < NT; j++) b[j] = load_dt(bias, n0 + j, dt);
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            if (dt == DT_F32) tile_f32((const float *)w, xin, K, n0, m0, mt, acc);
-            else tile_bf16((const uint16_t *)w, xb, K, n0, m0, mt, acc);
+            /* A copy per row count: with mt constant the accumulators stay in registers. */
+#define TILE(MTC)                                                                                          \
+    if (dt == DT_F32) tile_f32((const float *)w, (const float *)xin, ld, K, n0, m0, MTC, acc);            \
+    else tile_bf16((const uint16_t *)w, (const uint16_t *)xin, ld, K, n0, m0, MTC, acc);
+            switch (mt) {
+            case 1: TILE(1) break;
+            case 2: TILE(2) break;
+            case 3: TILE(3) break;
+            default: TILE(4) break;
+            }
+#undef TILE
             for (int i = 0; i < mt; i++) {
-                for (int j = 0; j < NT; j++) {
-                    int64_t n = n0 + j, at = (m0 + i) * ldy + n;
-                    float v = acc[i][j];
-                    if (bias) v += load_dt(bias, n, dt);
-                    v = round_dt(v, dt);
-                    if (accumulate) v = round_dt(load_dt(y, at, ydt) + v, ydt);
-                    store_dt(y, at, v, ydt);
+                int64_t at = (m0 + i) * ldy + n0;
+                __m128 v = _mm_add_ps(acc[i], b);
+                if (dt == DT_BF16) v = round4_bf16(v);
+                if (accumulate) {
+                    v = _mm_add_ps(load4(y, at, ydt), v);
+                    if (ydt == DT_BF16) v = round4_bf16(v);
                 }
+                store4(y, at, v, ydt);
             }
         }
     }
-    free(xin);
-    free(xb);
+    free(buf);
     return OK;
 }
 
@@ -238,36 +316,16 @@ int sg_write_kv(int dt, int64_t n, int64_t width, const void *k, int64_t ldk, co
 
 /* ---- decode attention --------------------------------------------------------------------------- */
 
-/* exp(x) for float32 lanes (Cephes expf's range reduction and polynomial; ~1 ulp), inputs clamped below
- * at -87.3 so the result underflows to ~0 rather than misbehaving. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 load16(const void *p, int64_t i, int dt) {
-    return dt == DT_F32 ? _mm512_loadu_ps((const float *)p + i) : bf16x16_to_f32((const uint16_t *)p + i);
-}
 
 #define MAX_G 16
 #define MAX_D 256
 
 /* One (decode, KV head, segment) work item: unnormalised output o[G][D], running max m[G] and sum l[G]
  * of exp(score - m) over tokens [t0, t1) of the request's cache, read in place through its block table. */
-static void segment_partial(int dt, int64_t G, int64_t D, int64_t Hkv, int64_t h, const float *q,
-                            const char *kc, const char *vc, int64_t block_size, const int32_t *blocks,
-                            int64_t t0, int64_t t1, float scale, float *scores, float *o, float *m, float *l) {
+static inline __attribute__((always_inline)) void segment_partial(
+    int dt, int64_t G, int64_t D, int64_t Hkv, int64_t h, const float *q, const char *kc, const char *vc,
+    int64_t block_size, const int32_t *blocks, int64_t t0, int64_t t1, float scale, float *scores, float *o,
+    float *m, float *l) {
     size_t es = dt == DT_F32 ? 4 : 2;
     int64_t n = t1 - t0, nv = D / 16;
     size_t token_bytes = (size_t)Hkv * D * es;
@@ -327,7 +385,8 @@ static void segment_partial(int dt, int64_t G, int64_t D, int64_t Hkv, int64_t h
  * h*G + g uses KV head h, G = Hq / Hkv). cache: [2, num_blocks, block_size, Hkv, D] of dt.
  * block_table: (B, ld_bt) int32; decode j uses row req[j] and attends to its first lens[j] tokens
  * (its own token included, already written). Each decode's tokens are walked in segments of seg
- * tokens, one work item per (decode, KV head, segment), merged by log-sum-exp.
+ * tokens (halved while there are fewer than two work items per thread), one work item per (decode, KV
+ * head, segment), merged by log-sum-exp.
  * Needs D a multiple of 16 up to 256, G up to 16, lens >= 1. */
 int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq, void *out,
                         const int64_t *rows, const void *cache, int64_t num_blocks, int64_t block_size,
@@ -337,6 +396,15 @@ int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, c
     if (D % 16 || D > MAX_D || G > MAX_G || Hq % Hkv || seg < 1) return ERR_SHAPE;
     for (int64_t j = 0; j < n; j++)
         if (lens[j] < 1 || lens[j] > ld_bt * block_size) return ERR_SHAPE;
+    /* Few decodes over short contexts would leave cores idle: halve the segment (down to 64 tokens)
+     * until there are two work items per thread. */
+    int64_t total = 0, threads = omp_get_max_threads();
+    for (int64_t j = 0; j < n; j++) total += (lens[j] + seg - 1) / seg;
+    while (seg > 64 && total * Hkv < 2 * threads) {
+        seg = (seg + 1) / 2;
+        total = 0;
+        for (int64_t j = 0; j < n; j++) total += (lens[j] + seg - 1) / seg;
+    }
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (n + 1)); /* first segment item of decode j */
     if (!first) return ERR_NOMEM;
     first[0] = 0;
@@ -370,8 +438,25 @@ int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, c
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t d = 0; d < D; d++)
                         qf[g * D + d] = load_dt(q, rows[j] * ldq + (h * G + g) * D + d, dt);
-                segment_partial(dt, G, D, Hkv, h, qf, kc, vc, block_size, block_table + req[j] * ld_bt, t0,
-                                t1, scale, scores, po + it * G * D, pm + it * G, pl + it * G);
+                const int32_t *bt = block_table + req[j] * ld_bt;
+                float *o = po + it * G * D, *mm = pm + it * G, *ll = pl + it * G;
+                /* Common head shapes get copies with G and D constant, so their accumulators live in
+                 * registers; others take the general loop. */
+#define SEGMENT(GG, DD, DT) segment_partial(DT, GG, DD, Hkv, h, qf, kc, vc, block_size, bt, t0, t1, scale, scores, o, mm, ll)
+#define CASES(DT)                                                                                          \
+    switch (G * 1000 + D) {                                                                                \
+    case 1064: SEGMENT(1, 64, DT); break;                                                                  \
+    case 2064: SEGMENT(2, 64, DT); break;                                                                  \
+    case 3064: SEGMENT(3, 64, DT); break;                                                                  \
+    case 4064: SEGMENT(4, 64, DT); break;                                                                  \
+    case 1128: SEGMENT(1, 128, DT); break;                                                                 \
+    case 2128: SEGMENT(2, 128, DT); break;                                                                 \
+    case 4128: SEGMENT(4, 128, DT); break;                                                                 \
+    default: SEGMENT(G, D, DT);                                                                            \
+    }
+                if (dt == DT_F32) { CASES(DT_F32) } else { CASES(DT_BF16) }
+#undef CASES
+#undef SEGMENT
             }
             free(scores);
         }
@@ -405,4 +490,60 @@ int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, c
     free(pm);
     free(pl);
     return failed ? ERR_NOMEM : OK;
+}
+
+/* ---- a whole decode step ------------------------------------------------------------------------ */
+
+/* One Llama decoder layer's weights (dt) and KV cache ([2, num_blocks, block_size, Hkv, D], dt). */
+typedef struct {
+    const void *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
+    void *kv_cache;
+} sg_layer;
+
+/* Every layer of a decode-only step in one call: per layer, h += o(attn(rope(qkv(norm1(h))))) and
+ * h += down(silu_mul(gate_up(norm2(h)))), the same kernels as the per-op path in the same order.
+ *
+ * h: (M, H) dt residual stream, updated in place. Rows 0..n-1 are the decodes (row j is request j of
+ * the block table, reqs[j] == j, rows[j] == j); rows n..M-1 are padding: computed, never written to
+ * the cache, given zero attention output. cos, ssin: (M, D) float32 RoPE rows. slot_mapping: (n,) the
+ * cache slot of each decode's new token. block_table, reqs, lens, seg, scale: as sg_decode_attention.
+ * Returns OK, ERR_SHAPE (checked up front: nothing written) or ERR_NOMEM. */
+int sg_decode_stack(int dt, int64_t num_layers, const sg_layer *layers, int64_t M, int64_t H, int64_t I,
+                    int64_t Hq, int64_t Hkv, int64_t D, float eps, void *h, const float *cos, const float *ssin,
+                    int64_t num_blocks, int64_t block_size, int64_t n, const int64_t *slot_mapping,
+                    const int64_t *rows, const int32_t *block_table, int64_t ld_bt, const int64_t *reqs,
+                    const int64_t *lens, int64_t seg, float scale) {
+    /* Checked before anything is written, so bad input leaves h and the caches as they were. */
+    if (n > M || H % 32 || I % 32 || D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G) return ERR_SHAPE;
+    for (int64_t j = 0; j < n; j++)
+        if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || lens[j] < 1 ||
+            lens[j] > ld_bt * block_size || reqs[j] != j || rows[j] != j)
+            return ERR_SHAPE;
+    size_t es = dt == DT_F32 ? 4 : 2;
+    int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D;
+    char *qkv = (char *)malloc(es * M * nqkv);
+    void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
+    void *gate_up = malloc(es * M * 2 * I);
+    int rc = (!qkv || !attn || !gate_up) ? ERR_NOMEM : OK;
+    for (int64_t l = 0; l < num_layers && rc == OK; l++) {
+        const sg_layer *ly = &layers[l];
+        rc = sg_linear(dt, dt, M, nqkv, H, h, H, PRO_RMSNORM, ly->ln1, eps, ly->qkv, ly->qkv_bias, qkv, nqkv, 0);
+        if (rc == OK) rc = sg_rope(dt, M, Hq + Hkv, D, qkv, nqkv, cos, ssin);
+        if (rc == OK)
+            rc = sg_write_kv(dt, n, Hkv * D, qkv + es * nq, nqkv, qkv + es * (nq + Hkv * D), nqkv, ly->kv_cache,
+                             num_blocks * block_size, slot_mapping);
+        if (rc == OK)
+            rc = sg_decode_attention(dt, n, Hq, Hkv, D, qkv, nqkv, attn, rows, ly->kv_cache, num_blocks,
+                                     block_size, block_table, ld_bt, reqs, lens, seg, scale);
+        if (rc == OK) rc = sg_linear(dt, dt, M, H, nq, attn, nq, PRO_NONE, NULL, 0.0f, ly->o, NULL, h, H, 1);
+        if (rc == OK)
+            rc = sg_linear(dt, dt, M, 2 * I, H, h, H, PRO_RMSNORM, ly->ln2, eps, ly->gate_up, NULL, gate_up,
+                           2 * I, 0);
+        if (rc == OK)
+            rc = sg_linear(dt, dt, M, H, I, gate_up, 2 * I, PRO_SILU_MUL, NULL, 0.0f, ly->down, NULL, h, H, 1);
+    }
+    free(qkv);
+    free(attn);
+    free(gate_up);
+    return rc;
 }
