@@ -293,8 +293,10 @@ def _run_real(args, reqs, cfg, num_blocks, slos) -> dict:
     records, samples = replay(engine, reqs, log=lambda m: print(m, file=sys.stderr))
     if args.real_samples_out:
         from segserve.simulator.profile import model_shape_of, samples_to_json
+        from segserve.simulator.replay import engine_decodes_gather
 
-        data = {"samples": samples_to_json(samples), "model": model_shape_of(engine.loaded)}
+        data = {"samples": samples_to_json(samples), "model": model_shape_of(engine.loaded),
+                "decode_gathers": engine_decodes_gather(engine)}
         Path(args.real_samples_out).write_text(json.dumps(data), encoding="utf-8")
     summary = summarize(records, slos)
     summary["num_preemptions"] = engine.scheduler.stats.num_preemptions
@@ -439,20 +441,24 @@ def run_profile(args: argparse.Namespace) -> int:
                 f"--real-samples-out ({type(e).__name__}: {e})"
             ) from None
         samples = samples_from_json(rows)
+        decode_gathers = bool(data.get("decode_gathers", True))  # files before the compiled kernels: True
         if rows and not any("gathered" in r for r in rows):
             print("[profile] note: these samples predate the gathered_kv feature; it is fitted as 0",
                   file=sys.stderr)
     else:
+        from segserve.kernels import cpu as cpu_kernels
         from segserve.models.loader import load_model
 
         loaded = load_model(args.model)
         samples, shape = measure(loaded), ModelShape(**model_shape_of(loaded))
+        decode_gathers = not cpu_kernels.enabled()  # the measuring engines' float32 CPU caches
         if args.samples_out:
-            Path(args.samples_out).write_text(
-                json.dumps({"samples": samples_to_json(samples), "model": asdict_shape(shape)}),
-                encoding="utf-8",
-            )
-    fitted, stats = fit_linear(samples, model=shape, source=f"segserve profile ({len(samples)} steps)")
+            data = {"samples": samples_to_json(samples), "model": asdict_shape(shape),
+                    "decode_gathers": decode_gathers}
+            Path(args.samples_out).write_text(json.dumps(data), encoding="utf-8")
+    fitted, stats = fit_linear(
+        samples, model=shape, source=f"segserve profile ({len(samples)} steps)", decode_gathers=decode_gathers
+    )
     save_profile(fitted, args.output, {"fit": stats})
     print(
         f"[profile] {len(samples)} steps, mean |rel err| {stats['mean_abs_rel_err']:.3f}, "

@@ -19,8 +19,10 @@ def fit_linear(
     features: Sequence[str] = FEATURES,
     model: ModelShape | None = None,
     source: str = "fit",
+    decode_gathers: bool = True,
 ) -> tuple[LinearStepModel, dict[str, float]]:
-    """Fit coefficients over ``features`` to (composition, seconds) samples.
+    """Fit coefficients over ``features`` to (composition, seconds) samples; ``decode_gathers`` (how
+    the samples' engine counted ``gathered_kv``, see ``engine_decodes_gather``) is kept in the model.
 
     Returns:
         (model, fit statistics: ``n``, ``mean_abs_rel_err``, ``p90_abs_rel_err``, ``max_abs_rel_err``).
@@ -53,7 +55,7 @@ def fit_linear(
     full = dict.fromkeys(features, 0.0)
     for j, c in zip(active, coef, strict=True):
         full[features[j]] = max(float(c), 0.0)
-    fitted = LinearStepModel(full, model or ModelShape(), source)
+    fitted = LinearStepModel(full, model or ModelShape(), source, decode_gathers)
     rel = np.abs(x @ np.array([full[f] for f in features]) - y) / y
     stats = {
         "n": float(len(y)),

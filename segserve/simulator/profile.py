@@ -51,6 +51,7 @@ def run_scenario(
 ) -> list[tuple[StepComposition, float]]:
     """Run one scenario on a fresh engine; returns (composition, seconds) per step."""
     from segserve import LLMEngine, SamplingParams
+    from segserve.simulator.replay import engine_decodes_gather
     from segserve.simulator.workload import TraceRequest, prompt_token_ids
 
     engine = LLMEngine(
@@ -60,7 +61,8 @@ def run_scenario(
     prompt = prompt_token_ids(TraceRequest(0, sc.prompt_len, 1, (seed,)), 0, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=sc.max_tokens, ignore_eos=True)
     captured: list[StepComposition] = []
-    engine.schedule_observers.append(lambda out: captured.append(composition(engine.scheduler, out)))
+    gathers = engine_decodes_gather(engine)
+    engine.schedule_observers.append(lambda out: captured.append(composition(engine.scheduler, out, gathers)))
     samples: list[tuple[StepComposition, float]] = []
 
     def step() -> None:

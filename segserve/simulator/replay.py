@@ -15,6 +15,16 @@ from segserve.simulator.step_model import StepComposition
 from segserve.simulator.workload import TraceRequest, prompt_token_ids
 
 
+def engine_decodes_gather(engine) -> bool:
+    """Whether ``engine``'s decode attention gathers KV out of non-consecutive blocks (the eager
+    segmented kernel) rather than reading it in place (the compiled CPU kernels): how the samples it
+    yields count ``gathered_kv``."""
+    from segserve.kernels import cpu as cpu_kernels
+
+    cache = engine.runner.kv_caches[0]
+    return not (cpu_kernels.enabled() and cpu_kernels.supports_cache(cache, cache.dtype))
+
+
 def replay(
     engine, requests: list[TraceRequest], log=None
 ) -> tuple[list[RequestRecord], list[tuple[StepComposition, float]]]:
@@ -34,8 +44,10 @@ def replay(
     step_times: list[float] = []
     compositions: list[StepComposition] = []
 
+    gathers = engine_decodes_gather(engine)
+
     def observe(out) -> None:
-        compositions.append(composition(engine.scheduler, out))
+        compositions.append(composition(engine.scheduler, out, gathers))
 
     engine.schedule_observers.append(observe)
     t0, pos = time.monotonic(), 0

@@ -95,9 +95,10 @@ def default_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, kv_cach
     return min(fit, rows) + 1
 
 
-def composition(scheduler: Scheduler, out: SchedulerOutput) -> StepComposition:
+def composition(scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool = True) -> StepComposition:
     """The step's composition, read after ``schedule()`` (which already advanced each request's
-    ``num_computed_tokens`` by its scheduled tokens)."""
+    ``num_computed_tokens`` by its scheduled tokens); ``decodes_gather`` as in
+    :func:`segmented_gather_tokens`."""
     slices = []
     for rid, n in out.num_scheduled_tokens.items():
         req = scheduler.requests[rid]
@@ -110,7 +111,7 @@ def composition(scheduler: Scheduler, out: SchedulerOutput) -> StepComposition:
     held = scheduler.kv_cache_manager.req_to_blocks
     rows = [_BlockIds(held.get(rid, [])) for rid in out.num_scheduled_tokens]
     gathered = segmented_gather_tokens(
-        slices, rows, scheduler.block_size, scheduler.config.attention.kv_segment_size
+        slices, rows, scheduler.block_size, scheduler.config.attention.kv_segment_size, decodes_gather
     )
     return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded, gathered)
 
@@ -154,7 +155,11 @@ def _in_place(rows: Sequence[Sequence[int]], first: int, blocks: int) -> bool:
 
 
 def segmented_gather_tokens(
-    slices: Sequence[RequestSlice], block_rows: Sequence[Sequence[int]], block_size: int, seg: int
+    slices: Sequence[RequestSlice],
+    block_rows: Sequence[Sequence[int]],
+    block_size: int,
+    seg: int,
+    decodes_gather: bool = True,
 ) -> int:
     """Cached tokens the segmented attention kernel copies per layer in a step with these slices.
 
@@ -167,6 +172,8 @@ def segmented_gather_tokens(
         slices: the step's requests in scheduling order.
         block_rows: each request's block ids (after this step's allocation), same order.
         block_size: tokens per block; seg: ``kv_segment_size`` in tokens.
+        decodes_gather: False for an engine with the compiled CPU kernels, whose decode attention reads
+            every block in place (only chunks gather then).
 
     Returns:
         Gathered tokens (whole blocks) per layer.
@@ -176,7 +183,7 @@ def segmented_gather_tokens(
         ((s.prior + 1, row) for s, row in zip(slices, block_rows, strict=True) if s.chunk == 1),
         key=lambda d: -d[0],
     )
-    if decodes:
+    if decodes and decodes_gather:
         for start in range(0, decodes[0][0], seg):
             reach = [row for walk, row in decodes if walk > start]
             blocks = cdiv(min(seg, decodes[0][0] - start), block_size)
@@ -276,7 +283,7 @@ class Replica:
                 f"replica {self.index}: {sched.get_num_unfinished_requests()} requests "
                 "unfinished but the scheduler scheduled nothing (KV pool too small?)"
             )
-        comp = composition(sched, out)
+        comp = composition(sched, out, getattr(self.model, "decode_gathers", True))
         start, duration = self.clock, self.model.predict(comp)
         self.clock += duration
         for rid in out.num_scheduled_tokens:

@@ -126,11 +126,15 @@ class LinearStepModel:
         coefficients: feature name -> seconds per unit (missing names count as 0).
         model: the model the profile was measured with (KV sizing).
         source: where the numbers came from (free text for reports).
+        decode_gathers: whether the measured engine's decodes gathered their KV (the eager segmented
+            kernel) or read it in place (the compiled CPU kernels); the simulator counts
+            ``gathered_kv`` the same way.
     """
 
     coefficients: dict[str, float]
     model: ModelShape = field(default_factory=ModelShape)
     source: str = ""
+    decode_gathers: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURES)
@@ -150,6 +154,7 @@ class LinearStepModel:
             "coefficients": dict(self.coefficients),
             "model": asdict(self.model),
             "source": self.source,
+            "decode_gathers": self.decode_gathers,
         }
 
 
@@ -240,7 +245,9 @@ def model_from_dict(data: dict) -> StepTimeModel:
     kind = data.get("kind")
     shape = ModelShape(**data["model"]) if "model" in data else ModelShape()
     if kind == "linear":
-        return LinearStepModel(dict(data["coefficients"]), shape, data.get("source", ""))
+        return LinearStepModel(
+            dict(data["coefficients"]), shape, data.get("source", ""), bool(data.get("decode_gathers", True))
+        )
     if kind == "roofline":
         return RooflineStepModel(
             shape,

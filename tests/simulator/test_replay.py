@@ -53,12 +53,20 @@ def test_real_engine_steps_match_the_simulation(tiny_dir, policy):
     engine.check_integrity()
 
 
-def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-kernels"])
+def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch, compiled):
     # The simulator's model of the segmented kernel's gathers (``segmented_gather_tokens``) must
     # count exactly the tokens the kernel copies, step by step, on a real replay whose concurrent
-    # requests interleave their blocks.
+    # requests interleave their blocks. The compiled CPU kernels read decode KV in place: only the
+    # chunks' prior blocks are copied then.
     from segserve import LLMEngine
     from segserve.attention import segmented
+    from segserve.kernels import cpu as cpu_kernels
+    from segserve.simulator.replay import engine_decodes_gather
+
+    if compiled and not cpu_kernels.enabled():
+        pytest.skip(f"compiled kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    monkeypatch.setattr(cpu_kernels, "_switch", compiled)  # restored after the test
 
     copied: list[int] = []
     original = segmented.SegmentedAttentionBackend._copy_blocks
@@ -76,6 +84,7 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch):
     # of its later chunks interleave with theirs (a chunk gather), as do the decodes' own blocks.
     reqs = [TraceRequest(0.0, 40, 9), TraceRequest(0.0, 21, 12), TraceRequest(0.0, 100, 7),
             TraceRequest(0.0, 5, 10)]
+    assert engine_decodes_gather(engine) is not compiled
     _, samples = replay(engine, reqs)
     layers = engine.loaded.config.num_hidden_layers
     marks = [*per_step, len(copied)]
