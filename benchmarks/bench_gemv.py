@@ -3,7 +3,8 @@
 Shapes: per layer the fused q/k/v (960 x 576), o (576 x 576), fused gate/up (3,072 x 576) and down
 (576 x 1,536), 30 layers, plus the 49,152 x 576 LM head; random weights. Forms: ``F.linear`` in
 float32 and bfloat16, ``torch.mv`` (M = 1 only), oneDNN pre-packed bfloat16
-and float32 (``segserve.models.packed_linear``) and MKL pre-packed float32 (``torch.ops.mkl._mkl_linear``).
+and float32 (``segserve.models.packed_linear``), MKL pre-packed float32 (``torch.ops.mkl._mkl_linear``),
+and segserve's compiled small-batch linear in both dtypes (``segserve.kernels.cpu.linear``, when built).
 Forms alternate rep by rep; min and median ms of a whole step, and the weight bytes streamed per
 second at the min. Prints one summary line; writes JSON to ``--out``.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from segserve.kernels import cpu as cpu_kernels
 from segserve.models.packed_linear import pack_weight, packed_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
@@ -45,6 +47,9 @@ def forms(rows: int) -> tuple[dict[str, Callable[[], object]], dict[str, int]]:
         if all(p is not None for p in packed):
             pairs = list(zip(packed, SHAPES, strict=True))
             fns[name] = lambda pairs=pairs, xs=xs: [packed_linear(xs[s[1]], p, None) for p, s in pairs]
+    if cpu_kernels.enabled():
+        fns["f32_compiled"] = lambda: [cpu_kernels.linear(x32[w.shape[1]], w) for w in w32]
+        fns["bf16_compiled"] = lambda: [cpu_kernels.linear(x16[w.shape[1]], w) for w in w16]
     try:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in w32]
         fns["f32_mkl_packed"] = lambda: [

@@ -228,8 +228,14 @@ class SegmentedAttentionBackend:
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         compiled = cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, q.dtype)
         plan = self._step_plan(metadata, kv_cache, compiled)
-        if compiled:
-            return self._forward_compiled(q, k, v, kv_cache, metadata, plan, scale)
+        if compiled:  # the decodes in one C call (q is already in the cache dtype)
+            new = torch.empty if plan.decodes_fill_step else torch.zeros  # padding rows must read 0
+            out = new(q.shape, dtype=q.dtype)
+            cpu_kernels.decode_attention(
+                q, out, plan.decode_rows, kv_cache, metadata.block_table, plan.decode_reqs, plan.decode_lens,
+                metadata.kv_segment_size, scale,
+            )
+            return self._chunks_into(out, q, k, v, kv_cache, metadata, plan, scale)
         out_dtype, cdtype = q.dtype, kv_cache.dtype
         q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
         if plan.decodes_fill_step:
@@ -238,18 +244,11 @@ class SegmentedAttentionBackend:
         if plan.decode_rows.numel():
             result = self._decode_result(q, kv_cache, plan, scale)  # (n, Hkv, G, D) float32
             out.index_copy_(0, plan.decode_rows, result.view(-1, *q.shape[1:]).to(out.dtype))
-        qsl, seg = metadata.query_start_loc_cpu, metadata.kv_segment_size
-        for i in plan.chunks:
-            r0, r1 = qsl[i], qsl[i + 1]
-            row = metadata.block_table[i]
-            chunk = self._chunk(
-                q[r0:r1], k[r0:r1], v[r0:r1], kv_cache, row, metadata.prior_tokens_cpu[i], seg, scale
-            )
-            out[r0:r1] = chunk
-        return out
+        return self._chunks_into(out, q, k, v, kv_cache, metadata, plan, scale)
 
-    def _forward_compiled(
+    def _chunks_into(
         self,
+        out: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -258,13 +257,7 @@ class SegmentedAttentionBackend:
         plan: _StepPlan,
         scale: float,
     ) -> torch.Tensor:
-        """``forward`` with the decodes in one compiled call (K/V already written; q in the cache dtype)."""
-        full = plan.decodes_fill_step  # every row is written by the kernel
-        out = torch.empty(q.shape, dtype=q.dtype) if full else torch.zeros(q.shape, dtype=q.dtype)
-        cpu_kernels.decode_attention(
-            q, out, plan.decode_rows, kv_cache, metadata.block_table, plan.decode_reqs, plan.decode_lens,
-            metadata.kv_segment_size, scale,
-        )
+        """Each chunk's attention into its rows of ``out`` (returned)."""
         qsl, seg = metadata.query_start_loc_cpu, metadata.kv_segment_size
         for i in plan.chunks:
             r0, r1 = qsl[i], qsl[i + 1]
