@@ -38,12 +38,13 @@ _SIGNATURES = {
     "sg_linear": [_I, _I, _L, _L, _L, _P, _L, _I, _P, _F, _P, _P, _P, _L, _I],
     "sg_rope": [_I, _L, _L, _L, _P, _L, _P, _P],
     "sg_write_kv": [_I, _L, _L, _P, _L, _P, _L, _P, _L, _P],
-    "sg_decode_attention": [_I, _L, _L, _L, _L, _P, _L, _P, _P, _P, _L, _L, _P, _L, _P, _P, _L, _F],
+    "sg_decode_attention": [_I, _L, _L, _L, _L, _P, _L, _P, _L, _P, _P, _L, _L, _P, _L, _L, _P, _P, _L, _F],
     "sg_decode_stack": [
         _I, _L, _P, _L, _L, _L, _L, _L, _L, _F, _P, _P, _P, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _F
     ],
 }
-_ERRORS = {-1: "unsupported shape", -2: "out of memory"}
+_ERRORS = {-1: "unsupported shape", -2: "out of memory", -3: "row index outside the batch",
+           -4: "block id outside the cache"}
 
 
 def _library():
@@ -150,8 +151,9 @@ def linear(
     m = x.shape[0]
     if prologue == "rmsnorm" and (
         norm_weight is None or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
+        or not norm_weight.is_contiguous()
     ):
-        raise ValueError(f"rmsnorm needs a ({k},) {x.dtype} norm_weight")
+        raise ValueError(f"rmsnorm needs a contiguous ({k},) {x.dtype} norm_weight")
     if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype or not bias.is_contiguous()):
         raise ValueError(f"bias must be ({n},) {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if residual is not None:
@@ -280,13 +282,25 @@ def decode_attention(
     if n == 0:
         return
     rc = _library().sg_decode_attention(
-        dt, n, hq, hkv, d, q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), kv_cache.data_ptr(),
-        num_blocks, block_size, block_table.data_ptr(), block_table.shape[1], reqs.data_ptr(),
-        lens.data_ptr(), kv_segment_size, scale,
+        dt, n, hq, hkv, d, q.data_ptr(), q.stride(0), out.data_ptr(), q.shape[0], rows.data_ptr(),
+        kv_cache.data_ptr(), num_blocks, block_size, block_table.data_ptr(), block_table.shape[0],
+        block_table.shape[1], reqs.data_ptr(), lens.data_ptr(), kv_segment_size, scale,
     )
+    _raise_decode_error(rc, q.shape[0], block_table, block_size, num_blocks)
+    _check(rc, "sg_decode_attention")
+
+
+def _raise_decode_error(
+    rc: int, rows: int, block_table: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
+    """The ValueError for a decode the C checks refused (nothing was read or written)."""
     if rc == -1:
         raise ValueError(f"a decode length is outside [1, {block_table.shape[1] * block_size}]")
-    _check(rc, "sg_decode_attention")
+    if rc == -3:
+        raise ValueError(f"a decode's row is outside [0, {rows}) or its table row outside "
+                         f"[0, {block_table.shape[0]})")
+    if rc == -4:
+        raise ValueError(f"a decode walks a block id outside [1, {num_blocks}) (0 is the null block)")
 
 
 class _Layer(ctypes.Structure):
@@ -390,5 +404,6 @@ class DecodeStack:
                 f"a slot is outside [0, {num_blocks * block_size}) or a length outside "
                 f"[1, {block_table.shape[1] * block_size}]"
             )
+        _raise_decode_error(rc, m, block_table, block_size, num_blocks)
         _check(rc, "sg_decode_stack")
         return h

@@ -117,7 +117,7 @@ def test_linear_rejects_what_the_kernel_cannot_take() -> None:
         cpu_kernels.linear(x.to(torch.bfloat16), w)
     with pytest.raises(ValueError, match=r"x must be \(M, 128\)"):
         cpu_kernels.linear(x, w, prologue="silu_mul")
-    with pytest.raises(ValueError, match=r"rmsnorm needs a \(64,\)"):
+    with pytest.raises(ValueError, match=r"rmsnorm needs a contiguous \(64,\)"):
         cpu_kernels.linear(x, w, prologue="rmsnorm")
     with pytest.raises(ValueError, match=r"residual must be a contiguous \(2, 64\)"):
         cpu_kernels.linear(x, w, residual=torch.zeros(3, 64))
@@ -221,6 +221,15 @@ def test_decode_attention_rejects_a_length_past_the_block_table() -> None:
         cpu_kernels.decode_attention(*args, torch.tensor([0]), 512, case.scale)
     with pytest.raises(ValueError, match="block_table must be a contiguous 2-D int32"):
         cpu_kernels.decode_attention(*args[:4], md.block_table.long(), args[5], torch.tensor([41]), 512, 1.0)
+    with pytest.raises(ValueError, match=r"row is outside \[0, 1\) or its table row outside \[0, 1\)"):
+        cpu_kernels.decode_attention(case.q, out, torch.tensor([1]), *args[3:5], torch.tensor([0]),
+                                     torch.tensor([41]), 512, 1.0)
+    with pytest.raises(ValueError, match=r"row is outside"):
+        cpu_kernels.decode_attention(*args[:5], torch.tensor([3]), torch.tensor([41]), 512, 1.0)
+    table = md.block_table.clone()
+    table[0, 1] = case.cache.shape[1]  # one past the last block: would read past the cache
+    with pytest.raises(ValueError, match=rf"block id outside \[1, {case.cache.shape[1]}\)"):
+        cpu_kernels.decode_attention(*args[:4], table, args[5], torch.tensor([41]), 512, 1.0)
     assert torch.count_nonzero(out) == 0
 
 

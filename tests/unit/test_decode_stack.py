@@ -102,7 +102,7 @@ def test_decode_stack_equals_the_eager_layers(tiny, dtype, monkeypatch) -> None:
         tiny.to(torch.float32)
 
 
-def test_decode_stack_bad_slot_raises_and_changes_nothing(tiny) -> None:
+def test_decode_stack_bad_slot_or_block_raises_and_changes_nothing(tiny) -> None:
     rows = _interleaved_rows()
     caches = _prefilled(tiny, rows)
     md = build_attention_metadata([1, 1, 1], [len(p) for p in PROMPTS], rows, BLOCK, 16, 512)
@@ -115,6 +115,10 @@ def test_decode_stack_bad_slot_raises_and_changes_nothing(tiny) -> None:
     bad[1] = 64 * BLOCK
     with pytest.raises(ValueError, match=rf"a slot is outside \[0, {64 * BLOCK}\)"):
         stack.run(h, cos, sin, bad, md.block_table, md.seq_lens.long(), 512, 0.25)
+    table = md.block_table.clone()
+    table[2, 0] = 64  # past the 64-block caches
+    with pytest.raises(ValueError, match=r"block id outside \[1, 64\)"):
+        stack.run(h, cos, sin, md.slot_mapping, table, md.seq_lens.long(), 512, 0.25)
     assert torch.equal(h, h0)
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
 

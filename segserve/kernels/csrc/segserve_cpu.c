@@ -33,7 +33,7 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SILU_MUL = 2 };
-enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2 };
+enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4 };
 
 #define MT 4 /* rows of x per register tile */
 #define NT 4 /* rows of W per register tile */
@@ -387,15 +387,32 @@ static inline __attribute__((always_inline)) void segment_partial(
  * (its own token included, already written). Each decode's tokens are walked in segments of seg
  * tokens (halved while there are fewer than two work items per thread), one work item per (decode, KV
  * head, segment), merged by log-sum-exp.
- * Needs D a multiple of 16 up to 256, G up to 16, lens >= 1. */
+ * Needs D a multiple of 16 up to 256, G up to 16; rows, table rows, lengths and block ids inside their
+ * tensors (check_decodes: ERR_ROW, ERR_SHAPE, ERR_BLOCK, before anything is read). */
+/* What every decode reads must lie inside the tensors: its rows (< T), its block-table row (< B), its
+ * length (1 .. ld_bt * block_size) and every block id it walks (1 .. num_blocks - 1; 0 is the null
+ * block and never holds a token). */
+static int check_decodes(int64_t n, int64_t T, int64_t B, const int64_t *rows, const int64_t *req,
+                         const int64_t *lens, const int32_t *block_table, int64_t ld_bt, int64_t block_size,
+                         int64_t num_blocks) {
+    for (int64_t j = 0; j < n; j++) {
+        if (rows[j] < 0 || rows[j] >= T || req[j] < 0 || req[j] >= B) return ERR_ROW;
+        if (lens[j] < 1 || lens[j] > ld_bt * block_size) return ERR_SHAPE;
+        const int32_t *bt = block_table + req[j] * ld_bt;
+        for (int64_t b = 0; b < (lens[j] + block_size - 1) / block_size; b++)
+            if (bt[b] < 1 || bt[b] >= num_blocks) return ERR_BLOCK;
+    }
+    return OK;
+}
+
 int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq, void *out,
-                        const int64_t *rows, const void *cache, int64_t num_blocks, int64_t block_size,
-                        const int32_t *block_table, int64_t ld_bt, const int64_t *req, const int64_t *lens,
-                        int64_t seg, float scale) {
+                        int64_t T, const int64_t *rows, const void *cache, int64_t num_blocks, int64_t block_size,
+                        const int32_t *block_table, int64_t B, int64_t ld_bt, const int64_t *req,
+                        const int64_t *lens, int64_t seg, float scale) {
     int64_t G = Hq / Hkv;
     if (D % 16 || D > MAX_D || G > MAX_G || Hq % Hkv || seg < 1) return ERR_SHAPE;
-    for (int64_t j = 0; j < n; j++)
-        if (lens[j] < 1 || lens[j] > ld_bt * block_size) return ERR_SHAPE;
+    int rc = check_decodes(n, T, B, rows, req, lens, block_table, ld_bt, block_size, num_blocks);
+    if (rc != OK) return rc;
     /* Few decodes over short contexts would leave cores idle: halve the segment (down to 64 tokens)
      * until there are two work items per thread. */
     int64_t total = 0, threads = omp_get_max_threads();
@@ -507,7 +524,7 @@ typedef struct {
  * the block table, reqs[j] == j, rows[j] == j); rows n..M-1 are padding: computed, never written to
  * the cache, given zero attention output. cos, ssin: (M, D) float32 RoPE rows. slot_mapping: (n,) the
  * cache slot of each decode's new token. block_table, reqs, lens, seg, scale: as sg_decode_attention.
- * Returns OK, ERR_SHAPE (checked up front: nothing written) or ERR_NOMEM. */
+ * Returns OK, ERR_SHAPE / ERR_ROW / ERR_BLOCK (checked up front: nothing written) or ERR_NOMEM. */
 int sg_decode_stack(int dt, int64_t num_layers, const sg_layer *layers, int64_t M, int64_t H, int64_t I,
                     int64_t Hq, int64_t Hkv, int64_t D, float eps, void *h, const float *cos, const float *ssin,
                     int64_t num_blocks, int64_t block_size, int64_t n, const int64_t *slot_mapping,
@@ -516,15 +533,16 @@ int sg_decode_stack(int dt, int64_t num_layers, const sg_layer *layers, int64_t 
     /* Checked before anything is written, so bad input leaves h and the caches as they were. */
     if (n > M || H % 32 || I % 32 || D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G) return ERR_SHAPE;
     for (int64_t j = 0; j < n; j++)
-        if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || lens[j] < 1 ||
-            lens[j] > ld_bt * block_size || reqs[j] != j || rows[j] != j)
+        if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || reqs[j] != j || rows[j] != j)
             return ERR_SHAPE;
+    int rc = check_decodes(n, M, n, rows, reqs, lens, block_table, ld_bt, block_size, num_blocks);
+    if (rc != OK) return rc;
     size_t es = dt == DT_F32 ? 4 : 2;
     int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D;
     char *qkv = (char *)malloc(es * M * nqkv);
     void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
     void *gate_up = malloc(es * M * 2 * I);
-    int rc = (!qkv || !attn || !gate_up) ? ERR_NOMEM : OK;
+    rc = (!qkv || !attn || !gate_up) ? ERR_NOMEM : OK;
     for (int64_t l = 0; l < num_layers && rc == OK; l++) {
         const sg_layer *ly = &layers[l];
         rc = sg_linear(dt, dt, M, nqkv, H, h, H, PRO_RMSNORM, ly->ln1, eps, ly->qkv, ly->qkv_bias, qkv, nqkv, 0);
@@ -533,8 +551,8 @@ int sg_decode_stack(int dt, int64_t num_layers, const sg_layer *layers, int64_t 
             rc = sg_write_kv(dt, n, Hkv * D, qkv + es * nq, nqkv, qkv + es * (nq + Hkv * D), nqkv, ly->kv_cache,
                              num_blocks * block_size, slot_mapping);
         if (rc == OK)
-            rc = sg_decode_attention(dt, n, Hq, Hkv, D, qkv, nqkv, attn, rows, ly->kv_cache, num_blocks,
-                                     block_size, block_table, ld_bt, reqs, lens, seg, scale);
+            rc = sg_decode_attention(dt, n, Hq, Hkv, D, qkv, nqkv, attn, M, rows, ly->kv_cache, num_blocks,
+                                     block_size, block_table, n, ld_bt, reqs, lens, seg, scale);
         if (rc == OK) rc = sg_linear(dt, dt, M, H, nq, attn, nq, PRO_NONE, NULL, 0.0f, ly->o, NULL, h, H, 1);
         if (rc == OK)
             rc = sg_linear(dt, dt, M, 2 * I, H, h, H, PRO_RMSNORM, ly->ln2, eps, ly->gate_up, NULL, gate_up,
