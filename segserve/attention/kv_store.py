@@ -59,7 +59,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         raise ValueError(f"slot_mapping has {num_real} rows but k has only {k.shape[0]}")
     if num_real == 0:
         return
-    if k.dtype == v.dtype and cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, k.dtype):
+    rows_fit = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    compiled = cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, k.dtype)
+    if rows_fit and k.dtype == v.dtype and compiled:
         cpu_kernels.write_kv(kv_cache, k, v, slot_mapping)  # one call for K and V, no casts
         return
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape

@@ -226,7 +226,7 @@ class SegmentedAttentionBackend:
             ValueError: when ``kv_segment_size`` is not a positive multiple of the cache's block size.
         """
         write_kv(kv_cache, k, v, metadata.slot_mapping)
-        compiled = cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, q.dtype)
+        compiled = cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, q.dtype, q.shape[1])
         plan = self._step_plan(metadata, kv_cache, compiled)
         if compiled:  # the decodes in one C call (q is already in the cache dtype)
             new = torch.empty if plan.decodes_fill_step else torch.zeros  # padding rows must read 0

@@ -23,7 +23,8 @@ from pathlib import Path
 SOURCE = Path(__file__).parent / "csrc" / "segserve_cpu.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
-ABI_VERSION = 1
+ABI_VERSION = 2
+SYMBOLS = ("sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack")
 
 _loaded: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -51,9 +52,24 @@ def _compiler() -> str:
     return os.environ.get("CC", "gcc")
 
 
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` is the library a build wrote: its SHA-256 matches the digest written beside
+    it. Loading a truncated or foreign file could crash the process (SIGBUS), so anything else is
+    rebuilt."""
+    try:
+        digest = _digest_path(target).read_text().strip()
+        return hashlib.sha256(target.read_bytes()).hexdigest() == digest
+    except OSError:
+        return False
+
+
 def _build(target: Path, cc: str) -> None:
-    """Compile into a temporary file beside ``target``, then rename: concurrent builders never see a
-    half-written library."""
+    """Compile into a temporary file beside ``target``, then rename (the digest first): concurrent
+    builders never see a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -63,6 +79,11 @@ def _build(target: Path, cc: str) -> None:
         )
         if proc.returncode:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        fd2, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
+        with os.fdopen(fd2, "w") as f:
+            f.write(digest)
+        os.replace(tmp_digest, _digest_path(target))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -95,11 +116,13 @@ def load() -> ctypes.CDLL | None:
         key.update(part if isinstance(part, bytes) else part.encode())
     target = cache_dir() / f"segserve_cpu_{key.hexdigest()[:16]}.so"
     try:
-        if not target.exists():
+        if not _intact(target):
             _build(target, cc)
         lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _reason = f"could not build {SOURCE.name}: {e}"
+        for name in SYMBOLS:
+            getattr(lib, name)
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        _reason = f"could not build or load {SOURCE.name} ({target}): {e}"
         return None
     if lib.sg_abi_version() != ABI_VERSION:
         _reason = f"{target} has ABI {lib.sg_abi_version()}, expected {ABI_VERSION}"

@@ -101,6 +101,23 @@ def _dtype_code(t: torch.Tensor, what: str) -> int:
     return code
 
 
+def _on_cpu(**tensors: torch.Tensor | None) -> None:
+    """Every given tensor lives in CPU memory (a meta or CUDA tensor's pointer is not one C can read)."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got one on {t.device}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def supports_linear(weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes this ``(N, K)`` weight (float32/bfloat16 CPU, contiguous, K a
     multiple of 32, N of 4)."""
@@ -142,6 +159,13 @@ def linear(
     dt = _dtype_code(weight, "weight")
     if not supports_linear(weight):
         raise ValueError(f"weight {tuple(weight.shape)} must be contiguous with K % 32 == 0 and N % 4 == 0")
+    if prologue not in _PROLOGUES:
+        raise ValueError(f"prologue must be 'rmsnorm', 'silu_mul' or None, got {prologue!r}")
+    if norm_weight is not None and prologue != "rmsnorm":
+        raise ValueError("norm_weight is only used with prologue='rmsnorm'")
+    if residual is not None and out_dtype is not None:
+        raise ValueError("out_dtype is for a new output; a residual is updated in its own dtype")
+    _on_cpu(x=x, norm_weight=norm_weight, bias=bias, residual=residual)
     n, k = weight.shape
     width = 2 * k if prologue == "silu_mul" else k
     if x.dtype != weight.dtype or x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
@@ -159,6 +183,8 @@ def linear(
     if residual is not None:
         if residual.shape != (m, n) or not residual.is_contiguous():
             raise ValueError(f"residual must be a contiguous ({m}, {n}) tensor, got {tuple(residual.shape)}")
+        if prologue is None and _overlap(residual, x):  # the kernel would read x while writing it
+            raise ValueError("residual must not overlap x (write the product to a new tensor first)")
         y = residual
     else:
         y = torch.empty(m, n, dtype=out_dtype or weight.dtype)
@@ -190,8 +216,10 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
     dt = _dtype_code(x, "x")
     t = x.shape[0]
     too_narrow = x.dim() != 2 or x.shape[1] < num_heads * head_dim
-    if too_narrow or x.stride(1) != 1 or head_dim % 2 or head_dim > 1024:
+    overlapping = t > 1 and x.stride(0) < num_heads * head_dim  # rows would be rotated twice
+    if too_narrow or overlapping or x.stride(1) != 1 or head_dim % 2 or head_dim > 1024:
         raise ValueError(f"x {tuple(x.shape)} cannot hold {num_heads} heads of even dim {head_dim} <= 1024")
+    _on_cpu(cos=cos, sin=sin)
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dtype != torch.float32 or table.shape != (t, head_dim) or not table.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 ({t}, {head_dim}), got {tuple(table.shape)}")
@@ -200,14 +228,30 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
     _check(rc, "sg_rope")
 
 
-def supports_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+def supports_cache(kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int | None = None) -> bool:
     """Whether the C KV-cache kernels take this ``[2, num_blocks, block_size, Hkv, D]`` cache for
-    activations of ``dtype`` (same dtype, CPU, contiguous, D a multiple of 16 up to 256)."""
-    return (
+    activations of ``dtype`` (same dtype, CPU, contiguous, D a multiple of 16 up to 256) and, when
+    given, ``num_heads`` query heads (a multiple of Hkv, at most 16 per KV head)."""
+    ok = (
         kv_cache.dtype == dtype and dtype in _DTYPES and kv_cache.device.type == "cpu"
-        and kv_cache.dim() == 5 and kv_cache.is_contiguous() and kv_cache.shape[4] % 16 == 0
-        and kv_cache.shape[4] <= 256
+        and kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.is_contiguous()
+        and kv_cache.shape[3] >= 1 and kv_cache.shape[4] % 16 == 0 and kv_cache.shape[4] <= 256
     )
+    if ok and num_heads is not None:
+        ok = num_heads % kv_cache.shape[3] == 0 and num_heads // kv_cache.shape[3] <= 16
+    return ok
+
+
+def _check_cache(kv_cache: torch.Tensor) -> int:
+    """The cache's dtype code; ValueError unless it is a contiguous ``[2, blocks, block_size, Hkv, D]``
+    CPU tensor (the layout the C code indexes)."""
+    dt = _dtype_code(kv_cache, "kv_cache")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous() or kv_cache.numel() == 0:
+        raise ValueError(
+            f"kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor, got shape "
+            f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}"
+        )
+    return dt
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -217,12 +261,17 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     Raises:
         ValueError: on a shape or dtype mismatch, or a slot outside ``[0, num_blocks * block_size)``.
     """
-    dt = _dtype_code(kv_cache, "kv_cache")
+    dt = _check_cache(kv_cache)
     _, num_blocks, block_size, hkv, d = kv_cache.shape
+    _on_cpu(k=k, v=v, slot_mapping=slot_mapping)
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_mapping must be 1-D int32/int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
     n = slot_mapping.shape[0]
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != kv_cache.dtype or t.shape[1:] != (hkv, d) or t.shape[0] < n or t.stride(2) != 1 \
-                or t.stride(1) != d:
+        if t.dtype != kv_cache.dtype or t.dim() != 3 or t.shape[1:] != (hkv, d) or t.shape[0] < n \
+                or t.stride(2) != 1 or t.stride(1) != d:
             raise ValueError(
                 f"{name} must be [>= {n}, {hkv}, {d}] {kv_cache.dtype} rows, got {tuple(t.shape)}"
             )
@@ -262,8 +311,13 @@ def decode_attention(
     Raises:
         ValueError: on a shape or dtype mismatch or a length outside ``[1, max_blocks * block_size]``.
     """
-    dt = _dtype_code(kv_cache, "kv_cache")
+    dt = _check_cache(kv_cache)
     _, num_blocks, block_size, hkv, d = kv_cache.shape
+    _on_cpu(q=q, out=out, rows=rows, block_table=block_table, reqs=reqs, lens=lens)
+    if q.dim() != 3 or kv_segment_size < 1:
+        raise ValueError(
+            f"q must be [T, Hq, D] and kv_segment_size >= 1, got {tuple(q.shape)}, {kv_segment_size}"
+        )
     hq = q.shape[1]
     n = rows.shape[0]
     for name, t in (("q", q), ("out", out)):
@@ -323,10 +377,21 @@ class DecodeStack:
     """
 
     def __init__(self, layers: list[tuple], num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        if not layers or num_heads < 1 or num_kv_heads < 1 or head_dim < 1:
+            raise ValueError(
+                f"need at least one layer and positive head counts, got {len(layers)} layers, "
+                f"{num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}"
+            )
         ln1, qkv, _, _, _, gate_up, _, cache = layers[0]
         self.dtype = qkv.dtype
         self.hidden, self.inter = qkv.shape[1], gate_up.shape[0] // 2
         self.heads, self.kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        _check_cache(cache)
+        if cache.shape[3:] != (num_kv_heads, head_dim):  # the C code indexes the cache by these
+            raise ValueError(
+                f"kv_cache {tuple(cache.shape)} must be "
+                f"[2, num_blocks, block_size, {num_kv_heads}, {head_dim}]"
+            )
         self.cache_shape = tuple(cache.shape)
         h, i, nqkv = self.hidden, self.inter, (num_heads + 2 * num_kv_heads) * head_dim
         shapes = (
@@ -379,6 +444,9 @@ class DecodeStack:
                 written then).
         """
         m, n = h.shape[0], lens.shape[0]
+        _on_cpu(h=h, cos=cos, sin=sin, slot_mapping=slot_mapping, block_table=block_table, lens=lens)
+        if kv_segment_size < 1:
+            raise ValueError(f"kv_segment_size must be >= 1, got {kv_segment_size}")
         if h.dtype != self.dtype or h.shape != (m, self.hidden) or not h.is_contiguous():
             raise ValueError(f"h must be contiguous (M, {self.hidden}) {self.dtype}, got {tuple(h.shape)}")
         for name, t in (("cos", cos), ("sin", sin)):

@@ -439,7 +439,8 @@ class LlamaForCausalLM(nn.Module):
         if self._stack_key != key:
             self._stack_key = key
             self._stack = None
-            if all(cpu_kernels.supports_cache(kv, h.dtype) for kv in kv_caches):
+            heads = self.config.num_attention_heads
+            if all(cpu_kernels.supports_cache(kv, h.dtype, heads) for kv in kv_caches):
                 layers = [
                     (ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
                      ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight,

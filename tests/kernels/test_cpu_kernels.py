@@ -251,3 +251,91 @@ def test_build_goes_to_the_cache_dir_and_a_missing_compiler_falls_back(tmp_path:
     out = _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path / "other"), "CC": "/nonexistent/cc"})
     assert out.startswith("False no C compiler (/nonexistent/cc)")
     assert _probe({"SEGSERVE_CPU_KERNELS": "0"}).startswith("False switched off")
+
+
+# --- bad input found by a fresh user (each once read or wrote outside a tensor, or crashed) ----------
+
+
+def test_caches_the_c_code_cannot_index_are_refused() -> None:
+    one_half = torch.zeros(4 * 16 * 16 + 4096)[:1024].view(1, 4, 16, 1, 16)  # no V half: V writes overran
+    expanded = torch.zeros(16).view(1, 1, 1, 1, 16).expand(2, 4, 16, 1, 16)  # stride 0
+    permuted = torch.zeros(2, 4, 16, 16, 2).transpose(3, 4)  # [2, 4, 16, 2, 16], heads interleaved
+    for cache in (one_half, expanded, permuted):
+        hkv = cache.shape[3]
+        k = v = torch.ones(1, hkv, 16)
+        with pytest.raises(ValueError, match=r"kv_cache must be a contiguous \[2, num_blocks"):
+            cpu_kernels.write_kv(cache, k, v, torch.tensor([3]))
+        q = torch.zeros(1, hkv, 16)
+        table = torch.tensor([[1]], dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"kv_cache must be a contiguous \[2, num_blocks"):
+            cpu_kernels.decode_attention(q, q.clone(), torch.tensor([0]), cache, table, torch.tensor([0]),
+                                         torch.tensor([4]), 512, 1.0)
+    assert not cpu_kernels.supports_cache(one_half, torch.float32)
+    assert not cpu_kernels.supports_cache(torch.zeros(2, 4, 16, 1, 16), torch.float32, num_heads=17)
+
+
+def test_a_huge_segment_size_is_bounded_by_the_longest_decode() -> None:
+    case = make_case([1] * 4, [47] * 4, block_size=16, seg=512, heads=(4, 1), seed=13)
+    md = case.metadata
+    args = (case.q, torch.tensor([0, 1, 2, 3]), case.cache, md.block_table, torch.arange(4),
+            md.seq_lens.long())
+    normal, huge = torch.zeros_like(case.q), torch.zeros_like(case.q)
+    cpu_kernels.decode_attention(args[0], normal, *args[1:], 512, case.scale)
+    cpu_kernels.decode_attention(args[0], huge, *args[1:], 2**62, case.scale)  # overflowed a malloc size
+    assert torch.equal(normal, huge)
+    with pytest.raises(ValueError, match="kv_segment_size >= 1, got .*, 0"):
+        cpu_kernels.decode_attention(args[0], huge, *args[1:], 0, case.scale)
+
+
+def test_more_than_16_query_heads_per_kv_head_fall_back_to_the_eager_kernel() -> None:
+    case = make_case([1, 5], [40, 20], block_size=16, seg=512, heads=(32, 1), head_dim=16, seed=14)
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                              case.scale)
+    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+
+
+def test_decode_stack_refuses_a_cache_of_another_head_shape() -> None:
+    h, i = 64, 96
+    layer = (torch.ones(h), torch.zeros(128, h), None, torch.zeros(h, 64), torch.ones(h),
+             torch.zeros(2 * i, h), torch.zeros(h, i), torch.zeros(2, 8, 16, 1, 16))
+    with pytest.raises(ValueError, match=r"must be \[2, num_blocks, block_size, 2, 16\]"):
+        cpu_kernels.DecodeStack([layer], 4, 2, 16, 1e-5)
+    with pytest.raises(ValueError, match="at least one layer"):
+        cpu_kernels.DecodeStack([], 4, 2, 16, 1e-5)
+
+
+def test_tensors_c_cannot_read_and_aliasing_are_refused() -> None:
+    x, w, _ = _inputs(2, 64, 64, torch.float32)
+    meta = torch.empty(2, 64, device="meta")
+    with pytest.raises(ValueError, match="x must be a CPU tensor, got one on meta"):
+        cpu_kernels.linear(meta, w)
+    with pytest.raises(ValueError, match="norm_weight must be a CPU tensor"):
+        cpu_kernels.linear(x, w, prologue="rmsnorm", norm_weight=torch.empty(64, device="meta"))
+    with pytest.raises(ValueError, match="cos must be a CPU tensor"):
+        cpu_kernels.rope_(x, 4, 16, torch.empty(2, 16, device="meta"), torch.zeros(2, 16))
+    h = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="residual must not overlap x"):
+        cpu_kernels.linear(h, w, residual=h)  # read while written: silently wrong before
+    with pytest.raises(ValueError, match="cannot hold"):
+        cpu_kernels.rope_(torch.randn(1, 64).expand(3, 64), 4, 16, torch.ones(3, 16), torch.zeros(3, 16))
+    with pytest.raises(ValueError, match="prologue must be 'rmsnorm', 'silu_mul' or None, got 'gelu'"):
+        cpu_kernels.linear(x, w, prologue="gelu")
+    with pytest.raises(ValueError, match="norm_weight is only used with prologue='rmsnorm'"):
+        cpu_kernels.linear(torch.randn(2, 128), w, prologue="silu_mul", norm_weight=torch.ones(64))
+    with pytest.raises(ValueError, match="out_dtype is for a new output"):
+        cpu_kernels.linear(x, w, residual=torch.zeros(2, 64), out_dtype=torch.float32)
+    cache = torch.zeros(2, 4, 16, 1, 16)
+    with pytest.raises(ValueError, match="slot_mapping must be 1-D int32/int64, got .* torch.float32"):
+        cpu_kernels.write_kv(cache, torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.tensor([3.9]))
+    assert torch.count_nonzero(cache) == 0
+
+
+def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
+    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"
+    (lib,) = tmp_path.glob("segserve_cpu_*.so")
+    good = lib.read_bytes()
+    lib.write_bytes(good[:5000])  # truncated: loading it crashed the process with SIGBUS
+    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"
+    assert lib.read_bytes() == good
+    lib.write_bytes(Path("/bin/true").read_bytes())  # a foreign library: no kernels in it
+    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"

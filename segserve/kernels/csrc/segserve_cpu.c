@@ -38,7 +38,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4 };
 #define MT 4 /* rows of x per register tile */
 #define NT 4 /* rows of W per register tile */
 
-int sg_abi_version(void) { return 1; }
+int sg_abi_version(void) { return 2; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -413,6 +413,7 @@ int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, c
     if (D % 16 || D > MAX_D || G > MAX_G || Hq % Hkv || seg < 1) return ERR_SHAPE;
     int rc = check_decodes(n, T, B, rows, req, lens, block_table, ld_bt, block_size, num_blocks);
     if (rc != OK) return rc;
+    if (seg > ld_bt * block_size) seg = ld_bt * block_size; /* no decode is longer: bounds the buffers */
     /* Few decodes over short contexts would leave cores idle: halve the segment (down to 64 tokens)
      * until there are two work items per thread. */
     int64_t total = 0, threads = omp_get_max_threads();
