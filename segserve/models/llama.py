@@ -448,10 +448,13 @@ class LlamaForCausalLM(nn.Module):
                     for ly, kv in zip(self.layers, kv_caches, strict=True)
                 ]
                 c = self.config
-                self._stack = cpu_kernels.DecodeStack(
-                    [tuple(None if t is None else t.detach() for t in layer) for layer in layers],
-                    c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
-                )
+                try:
+                    self._stack = cpu_kernels.DecodeStack(
+                        [tuple(None if t is None else t.detach() for t in layer) for layer in layers],
+                        c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                    )
+                except ValueError:  # a shape the whole-step kernel does not take: per-layer path
+                    self._stack = None
         return self._stack
 
     def _compiled_kernels_fit(self, h: torch.Tensor) -> bool:

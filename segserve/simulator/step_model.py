@@ -272,19 +272,21 @@ def save_profile(model: StepTimeModel, path: str | Path, extra: dict | None = No
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-# This engine on the 2-core CPU (float32, 2 threads, idle): the fit to a real replay of Azure-conv
-# traffic, docs/profiles/cpu_2core_fp32_replay.json (which predicted a held-out slice within 10 % on
-# throughput and medians, docs/simulator.md). Used when no profile is given; ``segserve profile``
-# measures the machine at hand.
+# This engine on the 2-core CPU (float32, 2 threads, idle, compiled CPU kernels): the fit to a real
+# replay of Azure-conv traffic, docs/profiles/cpu_2core_fp32_replay_compiled.json (which predicted a
+# held-out slice within 10 % on throughput, medians and p99s, docs/simulator.md). Used when no profile
+# is given; ``segserve profile`` measures the machine at hand. (The eager engine's replay fit, without
+# the kernels, is docs/profiles/cpu_2core_fp32_replay.json.)
 DEFAULT_CPU_MODEL = LinearStepModel(
     {
-        "step": 3.6e-2,
-        "padded_tokens": 1.18e-3,
-        "sampled": 0.0,
+        "step": 1.67e-2,
+        "padded_tokens": 1.27e-3,
+        "sampled": 1.75e-3,
         "requests": 0.0,
-        "prefill_attn": 1.0e-6,
-        "decode_ctx": 5.4e-6,
-        "gathered_kv": 8.1e-6,
+        "prefill_attn": 9.1e-7,
+        "decode_ctx": 2.0e-6,
+        "gathered_kv": 4.65e-5,
     },
-    source="built-in: docs/profiles/cpu_2core_fp32_replay.json (2-core CPU, float32)",
+    source="built-in: docs/profiles/cpu_2core_fp32_replay_compiled.json (2-core CPU, float32)",
+    decode_gathers=False,
 )
