@@ -80,7 +80,9 @@ def test_tune_picks_a_feasible_setting(tmp_path, profile, capsys):
     assert len(data["rows"]) == 6  # cap 128 is skipped for budget 64
     best = data["best"]
     assert best["meets_slo"] and best["p99_itl_ms"] <= 40
-    assert best["request_goodput"] == max(r["request_goodput"] for r in data["rows"] if r["meets_slo"])
+    top = max(r["request_goodput"] for r in data["rows"] if r["meets_slo"])
+    near = [r for r in data["rows"] if r["meets_slo"] and r["request_goodput"] >= 0.99 * top]
+    assert best["p99_itl_ms"] == min(r["p99_itl_ms"] for r in near)  # one SLO: the most room under it
     assert "[tune] best of 6" in capsys.readouterr().out
 
 
