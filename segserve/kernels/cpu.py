@@ -21,11 +21,13 @@ from segserve.kernels import build
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _PROLOGUES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 
-# Largest row count for which the fused small-batch linear beats oneDNN's packed kernel, measured over
-# the 121 weights of SmolLM2-135M (benchmarks/bench_gemv.py, 2 threads, idle machine): float32 wins up
-# to 8 rows (M=8: 24.5 vs 30.7 ms); bfloat16 only up to 2 (M=4: 12.2 vs 8.5 ms, oneDNN's bf16 kernel
-# uses the weight tile for more rows at once).
-MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+# Most rows a step may have to take the compiled small-batch path (the one-call decode step, or the
+# fused per-layer linears). Measured on the engine (benchmarks/bench_decode.py, 2 threads, idle):
+# float32 batch 16 per-op with oneDNN 66.2 ms vs one call 69.6 ms, so 8 (where the call wins: 30.4 vs
+# 57.0 ms at 4); bfloat16 batch 4 one call 16.9 vs 23.0 ms, batch 8 27.0 vs 29.2 ms, so 8, although
+# oneDNN's bf16 GEMM alone beats the compiled one from 4 rows (bench_gemv: 9.0 vs 11.7 ms at M=4): the
+# ~200 eager ops a step saves weigh more.
+MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 
 _switch = os.environ.get("SEGSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 _lib = None
