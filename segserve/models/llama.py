@@ -439,23 +439,28 @@ class LlamaForCausalLM(nn.Module):
         if self._stack_key != key:
             self._stack_key = key
             self._stack = None
-            heads = self.config.num_attention_heads
-            if all(cpu_kernels.supports_cache(kv, h.dtype, heads) for kv in kv_caches):
-                layers = [
-                    (ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
-                     ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight,
-                     ly.mlp.gate_up_proj.weight, ly.mlp.down_proj.weight, kv)
-                    for ly, kv in zip(self.layers, kv_caches, strict=True)
-                ]
-                c = self.config
+            c = self.config
+            if all(cpu_kernels.supports_cache(kv, h.dtype, c.num_attention_heads) for kv in kv_caches):
                 try:
                     self._stack = cpu_kernels.DecodeStack(
-                        [tuple(None if t is None else t.detach() for t in layer) for layer in layers],
-                        c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps,
+                        self.decode_stack_layers(kv_caches), c.num_attention_heads, c.num_key_value_heads,
+                        c.head_dim, c.rms_norm_eps,
                     )
                 except ValueError:  # a shape the whole-step kernel does not take: per-layer path
                     self._stack = None
         return self._stack
+
+    def decode_stack_layers(self, kv_caches: list[torch.Tensor]) -> list[tuple]:
+        """Per layer, the tensors ``cpu_kernels.DecodeStack`` reads, in its order: ``(ln1, qkv,
+        qkv_bias or None, o, ln2, gate_up, down, kv_cache)``."""
+        return [
+            tuple(None if t is None else t.detach() for t in (
+                ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
+                ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight, ly.mlp.gate_up_proj.weight,
+                ly.mlp.down_proj.weight, kv,
+            ))
+            for ly, kv in zip(self.layers, kv_caches, strict=True)
+        ]
 
     def _compiled_kernels_fit(self, h: torch.Tensor) -> bool:
         """Whether this step can use the compiled CPU kernels: switched on and built, CPU activations

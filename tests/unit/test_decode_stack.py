@@ -123,12 +123,7 @@ def test_decode_stack_bad_slot_or_block_raises_and_changes_nothing(tiny) -> None
 
 def test_decode_stack_names_a_misshapen_tensor(tiny) -> None:
     caches = new_caches(tiny, 8, BLOCK)
-    layers = [
-        (ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
-         ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight, ly.mlp.gate_up_proj.weight,
-         ly.mlp.down_proj.weight, kv)
-        for ly, kv in zip(tiny.layers, caches, strict=True)
-    ]
+    layers = tiny.decode_stack_layers(caches)
     layers[1] = (*layers[1][:6], layers[1][6].t(), layers[1][7])
     with pytest.raises(ValueError, match=r"layer 1 down: need contiguous \(64, 96\)"):
         cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5)

@@ -183,8 +183,8 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *w, c
     for (int i = 0; i < mt; i++) out[i] = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);
 }
 
-/* The prologue's result for row m of x into row m of xin (K values of dt), rounded to dt where the
- * eager model rounds. */
+/* The prologue's (PRO_RMSNORM or PRO_SILU_MUL) result for row m of x into row m of xin (K values of dt),
+ * rounded to dt where the eager model rounds. */
 static void prologue_row(int dt, int prologue, int64_t K, const void *x, int64_t ldx, int64_t m,
                          const void *norm_w, float eps, void *xin) {
     int64_t base = m * ldx, out = m * K;
@@ -209,8 +209,6 @@ static void prologue_row(int dt, int prologue, int64_t K, const void *x, int64_t
             __m512 sg = round16(_mm512_div_ps(g, _mm512_add_ps(one, e)), dt);
             store16(xin, out + k, round16(_mm512_mul_ps(sg, load16(x, base + K + k, dt)), dt), dt);
         }
-    } else {
-        for (int64_t k = 0; k < K; k += 16) store16(xin, out + k, load16(x, base + k, dt), dt);
     }
 }
 
