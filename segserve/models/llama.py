@@ -428,7 +428,9 @@ class LlamaForCausalLM(nn.Module):
         self, h: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
     ) -> cpu_kernels.DecodeStack | None:
         """The compiled whole-step path when this step is decodes only (one row per request, few
-        rows) over the segmented backend and caches it takes; else None. Built once per cache set."""
+        rows) over the segmented backend and caches it takes; else None. Built once per cache set and
+        dtype: it holds the weight tensors, so after replacing one (not editing it in place) call
+        :meth:`prepack_weights` again, as for the packed copies."""
         if (
             h.shape[0] > cpu_kernels.MAX_SMALL_ROWS[h.dtype] or metadata.max_query_len != 1
             or metadata.num_actual_tokens != metadata.num_reqs
