@@ -15,8 +15,9 @@
  *                        a batch-1 step pays Python's per-op cost once instead of ~200 times.
  *
  * Numerics: float32 accumulation everywhere. Elementwise results are rounded to the activation dtype at
- * the points where the eager model rounds (so float32 prologues and RoPE match it exactly); reductions
- * (dot products, norms, softmax sums) differ from PyTorch's only in summation order.
+ * the points where the eager model rounds (RoPE matches it bit for bit); reductions (dot products, norms,
+ * softmax sums) differ from PyTorch's in summation order, and exp (softmax, SiLU) is a Cephes-style
+ * polynomial within ~1 ulp of PyTorch's.
  * Compiled with -ffp-contract=off so scalar code is not fused into FMAs behind our back.
  * Threads: OpenMP, sharing PyTorch's runtime (same soname, loaded after torch).
  */
