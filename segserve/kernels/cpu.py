@@ -365,13 +365,15 @@ class _Layer(ctypes.Structure):
 
 
 class DecodeStack:
-    """Every layer's weights and KV cache as :func:`sg_decode_stack` reads them: pointers, built once
-    per model and cache set (the tensors are held, so they outlive the pointers).
+    """Every layer's weights as :func:`sg_decode_stack` reads them: pointers, built once per model,
+    dtype and cache shape (the weights are held, so they outlive the pointers). The KV caches are not
+    held: :meth:`run` takes the step's caches and points at them, so a dropped engine's caches are freed.
 
     Args:
         layers: per layer ``(ln1 (H,), qkv (Nqkv, H), qkv_bias (Nqkv,) or None, o (H, Hq D), ln2 (H,),
             gate_up (2 I, H), down (H, I), kv_cache [2, num_blocks, block_size, Hkv, D])``, all one
-            dtype, contiguous. ``Nqkv = (Hq + 2 Hkv) D``.
+            dtype, contiguous (the caches give the shape every later step's caches must have).
+            ``Nqkv = (Hq + 2 Hkv) D``.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D. eps: RMSNorm epsilon.
 
     Raises:
@@ -417,14 +419,15 @@ class DecodeStack:
                 f"hidden {h} and intermediate {i} must be multiples of 32, head_dim {head_dim} a multiple of "
                 f"16 up to 256, and {num_heads} heads at most 16 per each of {num_kv_heads} KV heads"
             )
-        self._tensors = layers
+        self._weights = [layer[:7] for layer in layers]
         self._array = (_Layer * len(layers))(
-            *[_Layer(*[None if t is None else t.data_ptr() for t in layer]) for layer in layers]
+            *[_Layer(*[None if t is None else t.data_ptr() for t in layer[:7]], None) for layer in layers]
         )
         self._arange = torch.arange(0)
 
     def run(
         self,
+        kv_caches: list[torch.Tensor],
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -434,7 +437,8 @@ class DecodeStack:
         kv_segment_size: int,
         scale: float,
     ) -> torch.Tensor:
-        """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned.
+        """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned;
+        ``kv_caches`` one per layer, each of the shape the stack was built for.
 
         Rows ``0..n-1`` are the decodes (row ``j`` is block-table row ``j``), ``n = len(lens)``; the
         rest are padding. ``cos``/``sin`` ``(M, D)`` float32 RoPE rows; ``slot_mapping`` ``(n,)``
@@ -446,6 +450,15 @@ class DecodeStack:
                 written then).
         """
         m, n = h.shape[0], lens.shape[0]
+        if len(kv_caches) != len(self._array):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self._array)} layers")
+        for i, kv in enumerate(kv_caches):
+            if kv.shape != self.cache_shape or kv.dtype != self.dtype or kv.device.type != "cpu" \
+                    or not kv.is_contiguous():
+                raise ValueError(
+                    f"kv_caches[{i}] must be a contiguous {self.cache_shape} {self.dtype} CPU tensor"
+                )
+            self._array[i].kv_cache = kv.data_ptr()
         _on_cpu(h=h, cos=cos, sin=sin, slot_mapping=slot_mapping, block_table=block_table, lens=lens)
         if kv_segment_size < 1:
             raise ValueError(f"kv_segment_size must be >= 1, got {kv_segment_size}")

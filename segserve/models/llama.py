@@ -417,8 +417,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self._rope_at(positions, h.dtype, compiled)  # shared by all layers
         stack = self._decode_stack(h, kv_caches, metadata) if compiled else None
         if stack is not None:  # a decode-only step: every layer in one compiled call
-            stack.run(h, cos, sin, metadata.slot_mapping, metadata.block_table, metadata.seq_lens.long(),
-                      metadata.kv_segment_size, self.layers[0].self_attn.scale)
+            stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
+                      metadata.seq_lens.long(), metadata.kv_segment_size, self.layers[0].self_attn.scale)
             return self.norm(h)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, metadata, compiled)
@@ -428,8 +428,8 @@ class LlamaForCausalLM(nn.Module):
         self, h: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
     ) -> cpu_kernels.DecodeStack | None:
         """The compiled whole-step path when this step is decodes only (one row per request, few
-        rows) over the segmented backend and caches it takes; else None. Built once per cache set and
-        dtype: it holds the weight tensors, so after replacing one (not editing it in place) call
+        rows) over the segmented backend and caches it takes; else None. Built once per dtype and cache
+        shape: it holds the weight tensors, so after replacing one (not editing it in place) call
         :meth:`prepack_weights` again, as for the packed copies."""
         if (
             h.shape[0] > cpu_kernels.MAX_SMALL_ROWS[h.dtype] or metadata.max_query_len != 1
@@ -437,7 +437,7 @@ class LlamaForCausalLM(nn.Module):
             or getattr(self.layers[0].self_attn.attn_backend, "name", None) != "segmented"
         ):
             return None
-        key = (h.dtype, *(kv.data_ptr() for kv in kv_caches))
+        key = (h.dtype, kv_caches[0].shape, len(kv_caches))
         if self._stack_key != key:
             self._stack_key = key
             self._stack = None

@@ -112,11 +112,11 @@ def test_decode_stack_bad_slot_or_block_raises_and_changes_nothing(tiny) -> None
     bad = md.slot_mapping.clone()
     bad[1] = 64 * BLOCK
     with pytest.raises(ValueError, match=rf"a slot is outside \[0, {64 * BLOCK}\)"):
-        stack.run(h, cos, sin, bad, md.block_table, md.seq_lens.long(), 512, 0.25)
+        stack.run(caches, h, cos, sin, bad, md.block_table, md.seq_lens.long(), 512, 0.25)
     table = md.block_table.clone()
     table[2, 0] = 64  # past the 64-block caches
     with pytest.raises(ValueError, match=r"block id outside \[1, 64\)"):
-        stack.run(h, cos, sin, md.slot_mapping, table, md.seq_lens.long(), 512, 0.25)
+        stack.run(caches, h, cos, sin, md.slot_mapping, table, md.seq_lens.long(), 512, 0.25)
     assert torch.equal(h, h0)
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
 
@@ -127,3 +127,25 @@ def test_decode_stack_names_a_misshapen_tensor(tiny) -> None:
     layers[1] = (*layers[1][:6], layers[1][6].t(), layers[1][7])
     with pytest.raises(ValueError, match=r"layer 1 down: need contiguous \(64, 96\)"):
         cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5)
+
+
+def test_decode_stack_holds_no_cache_and_checks_the_steps_caches(tiny) -> None:
+    import gc
+    import weakref
+
+    rows = _interleaved_rows()
+    caches = _prefilled(tiny, rows)
+    md = build_attention_metadata([1, 1, 1], [len(p) for p in PROMPTS], rows, BLOCK, 16, 512)
+    stack = tiny._decode_stack(torch.zeros(3, 64), caches, md)
+    assert stack is not None
+    h, cos, sin = torch.randn(3, 64), torch.ones(3, 16), torch.zeros(3, 16)
+    args = (h, cos, sin, md.slot_mapping, md.block_table, md.seq_lens.long(), 512, 0.25)
+    with pytest.raises(ValueError, match=r"kv_caches\[1\] must be a contiguous \(2, 64, 4, 2, 16\)"):
+        stack.run([caches[0], caches[1][:, :32]], *args)
+    with pytest.raises(ValueError, match="got 1 KV caches for 2 layers"):
+        stack.run(caches[:1], *args)
+    # A dropped engine's caches are freed: the model's stack does not keep them (2 GB for the default).
+    probe = weakref.ref(caches[0])
+    del caches
+    gc.collect()
+    assert probe() is None
