@@ -100,15 +100,19 @@ def test_decode_stack_equals_the_eager_layers(tiny, dtype, monkeypatch) -> None:
         tiny.to(torch.float32)
 
 
-def test_decode_stack_bad_slot_or_block_raises_and_changes_nothing(tiny) -> None:
+def _stack_step(model):
+    """(the model's DecodeStack, the prefilled caches, the decode step's metadata, h, cos, sin)."""
     rows = _interleaved_rows()
-    caches = _prefilled(tiny, rows)
+    caches = _prefilled(model, rows)
     md = build_attention_metadata([1, 1, 1], [len(p) for p in PROMPTS], rows, BLOCK, 16, 512)
-    stack = tiny._decode_stack(torch.zeros(3, 64), caches, md)
+    stack = model._decode_stack(torch.zeros(3, 64), caches, md)
     assert stack is not None
-    h = torch.randn(3, 64)
+    return stack, caches, md, torch.randn(3, 64), torch.ones(3, 16), torch.zeros(3, 16)
+
+
+def test_decode_stack_bad_slot_or_block_raises_and_changes_nothing(tiny) -> None:
+    stack, caches, md, h, cos, sin = _stack_step(tiny)
     h0, before = h.clone(), [c.clone() for c in caches]
-    cos, sin = torch.ones(3, 16), torch.zeros(3, 16)
     bad = md.slot_mapping.clone()
     bad[1] = 64 * BLOCK
     with pytest.raises(ValueError, match=rf"a slot is outside \[0, {64 * BLOCK}\)"):
@@ -133,12 +137,7 @@ def test_decode_stack_holds_no_cache_and_checks_the_steps_caches(tiny) -> None:
     import gc
     import weakref
 
-    rows = _interleaved_rows()
-    caches = _prefilled(tiny, rows)
-    md = build_attention_metadata([1, 1, 1], [len(p) for p in PROMPTS], rows, BLOCK, 16, 512)
-    stack = tiny._decode_stack(torch.zeros(3, 64), caches, md)
-    assert stack is not None
-    h, cos, sin = torch.randn(3, 64), torch.ones(3, 16), torch.zeros(3, 16)
+    stack, caches, md, h, cos, sin = _stack_step(tiny)
     args = (h, cos, sin, md.slot_mapping, md.block_table, md.seq_lens.long(), 512, 0.25)
     with pytest.raises(ValueError, match=r"kv_caches\[1\] must be a contiguous \(2, 64, 4, 2, 16\)"):
         stack.run([caches[0], caches[1][:, :32]], *args)
