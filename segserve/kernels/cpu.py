@@ -19,6 +19,9 @@ import torch
 from segserve.kernels import build
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The C code's head-shape limits (MAX_D, MAX_G in csrc/segserve_cpu.c).
+MAX_HEAD_DIM = 256
+MAX_QUERY_HEADS_PER_KV_HEAD = 16
 _PROLOGUES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 
 # Most rows a step may have to take the compiled small-batch path (the one-call decode step, or the
@@ -230,6 +233,14 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
     _check(rc, "sg_rope")
 
 
+def _head_dim_fits(d: int) -> bool:
+    return d % 16 == 0 and 0 < d <= MAX_HEAD_DIM
+
+
+def _heads_fit(num_heads: int, num_kv_heads: int) -> bool:
+    return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_QUERY_HEADS_PER_KV_HEAD
+
+
 def supports_cache(kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int | None = None) -> bool:
     """Whether the C KV-cache kernels take this ``[2, num_blocks, block_size, Hkv, D]`` cache for
     activations of ``dtype`` (same dtype, CPU, contiguous, D a multiple of 16 up to 256) and, when
@@ -237,11 +248,9 @@ def supports_cache(kv_cache: torch.Tensor, dtype: torch.dtype, num_heads: int | 
     ok = (
         kv_cache.dtype == dtype and dtype in _DTYPES and kv_cache.device.type == "cpu"
         and kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.is_contiguous()
-        and kv_cache.shape[3] >= 1 and kv_cache.shape[4] % 16 == 0 and kv_cache.shape[4] <= 256
+        and kv_cache.shape[3] >= 1 and _head_dim_fits(kv_cache.shape[4])
     )
-    if ok and num_heads is not None:
-        ok = num_heads % kv_cache.shape[3] == 0 and num_heads // kv_cache.shape[3] <= 16
-    return ok
+    return ok and (num_heads is None or _heads_fit(num_heads, kv_cache.shape[3]))
 
 
 def _check_cache(kv_cache: torch.Tensor) -> int:
@@ -328,7 +337,7 @@ def decode_attention(
             raise ValueError(f"{name} must be [T, {hq}, {d}] {kv_cache.dtype} rows, got {tuple(t.shape)}")
     if out.shape[0] != q.shape[0]:
         raise ValueError(f"out has {out.shape[0]} rows, q {q.shape[0]}")
-    if hq % hkv or hq // hkv > 16:
+    if not _heads_fit(hq, hkv):
         raise ValueError(f"{hq} query heads over {hkv} KV heads: need a multiple, at most 16 per KV head")
     if block_table.dtype != torch.int32 or not block_table.is_contiguous() or block_table.dim() != 2:
         raise ValueError("block_table must be a contiguous 2-D int32 tensor")
@@ -413,8 +422,7 @@ class DecodeStack:
                         f"{tuple(t.shape)} {t.dtype} on {t.device}"
                     )
         _dtype_code(qkv, "weights")
-        if h % 32 or i % 32 or head_dim % 16 or head_dim > 256 or num_heads % num_kv_heads \
-                or num_heads // num_kv_heads > 16:
+        if h % 32 or i % 32 or not _head_dim_fits(head_dim) or not _heads_fit(num_heads, num_kv_heads):
             raise ValueError(
                 f"hidden {h} and intermediate {i} must be multiples of 32, head_dim {head_dim} a multiple of "
                 f"16 up to 256, and {num_heads} heads at most 16 per each of {num_kv_heads} KV heads"

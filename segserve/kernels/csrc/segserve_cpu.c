@@ -404,14 +404,28 @@ static int check_decodes(int64_t n, int64_t T, int64_t B, const int64_t *rows, c
     return OK;
 }
 
+static int decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq,
+                            void *out, const int64_t *rows, const void *cache, int64_t num_blocks,
+                            int64_t block_size, const int32_t *block_table, int64_t ld_bt, const int64_t *req,
+                            const int64_t *lens, int64_t seg, float scale);
+
 int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq, void *out,
                         int64_t T, const int64_t *rows, const void *cache, int64_t num_blocks, int64_t block_size,
                         const int32_t *block_table, int64_t B, int64_t ld_bt, const int64_t *req,
                         const int64_t *lens, int64_t seg, float scale) {
-    int64_t G = Hq / Hkv;
-    if (D % 16 || D > MAX_D || G > MAX_G || Hq % Hkv || seg < 1) return ERR_SHAPE;
+    if (D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G || seg < 1) return ERR_SHAPE;
     int rc = check_decodes(n, T, B, rows, req, lens, block_table, ld_bt, block_size, num_blocks);
     if (rc != OK) return rc;
+    return decode_attention(dt, n, Hq, Hkv, D, q, ldq, out, rows, cache, num_blocks, block_size, block_table,
+                            ld_bt, req, lens, seg, scale);
+}
+
+/* sg_decode_attention after its checks (the decode stack checks once for all layers). */
+static int decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq,
+                            void *out, const int64_t *rows, const void *cache, int64_t num_blocks,
+                            int64_t block_size, const int32_t *block_table, int64_t ld_bt, const int64_t *req,
+                            const int64_t *lens, int64_t seg, float scale) {
+    int64_t G = Hq / Hkv;
     if (seg > ld_bt * block_size) seg = ld_bt * block_size; /* no decode is longer: bounds the buffers */
     /* Few decodes over short contexts would leave cores idle: halve the segment (down to 64 tokens)
      * until there are two work items per thread. */
@@ -531,7 +545,7 @@ int sg_decode_stack(int dt, int64_t num_layers, const sg_layer *layers, int64_t 
                     const int64_t *rows, const int32_t *block_table, int64_t ld_bt, const int64_t *reqs,
                     const int64_t *lens, int64_t seg, float scale) {
     /* Checked before anything is written, so bad input leaves h and the caches as they were. */
-    if (n > M || H % 32 || I % 32 || D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G) return ERR_SHAPE;
+    if (n > M || H % 32 || I % 32 || D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G || seg < 1) return ERR_SHAPE;
     for (int64_t j = 0; j < n; j++)
         if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || reqs[j] != j || rows[j] != j)
             return ERR_SHAPE;
@@ -551,8 +565,8 @@ int sg_decode_stack(int dt, int64_t num_layers, const sg_layer *layers, int64_t 
             rc = sg_write_kv(dt, n, Hkv * D, qkv + es * nq, nqkv, qkv + es * (nq + Hkv * D), nqkv, ly->kv_cache,
                              num_blocks * block_size, slot_mapping);
         if (rc == OK)
-            rc = sg_decode_attention(dt, n, Hq, Hkv, D, qkv, nqkv, attn, M, rows, ly->kv_cache, num_blocks,
-                                     block_size, block_table, n, ld_bt, reqs, lens, seg, scale);
+            rc = decode_attention(dt, n, Hq, Hkv, D, qkv, nqkv, attn, rows, ly->kv_cache, num_blocks, block_size,
+                                  block_table, ld_bt, reqs, lens, seg, scale);
         if (rc == OK) rc = sg_linear(dt, dt, M, H, nq, attn, nq, PRO_NONE, NULL, 0.0f, ly->o, NULL, h, H, 1);
         if (rc == OK)
             rc = sg_linear(dt, dt, M, 2 * I, H, h, H, PRO_RMSNORM, ly->ln2, eps, ly->gate_up, NULL, gate_up,
