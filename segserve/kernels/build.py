@@ -23,7 +23,7 @@ from pathlib import Path
 SOURCE = Path(__file__).parent / "csrc" / "segserve_cpu.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
-ABI_VERSION = 2
+ABI_VERSION = 3
 SYMBOLS = ("sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack")
 
 _loaded: ctypes.CDLL | None = None

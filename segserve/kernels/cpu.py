@@ -35,21 +35,79 @@ MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 _switch = os.environ.get("SEGSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 _lib = None
 
+# The argument structs of the C entry points (``sg_*_args`` in csrc/segserve_cpu.c), field for field in
+# the C order (ctypes pads as the C compiler does), so the wrappers fill them by name. ``size`` is set
+# to the struct's ``SIZE`` (its ctypes size); the C side refuses any other size with ERR_LAYOUT, and
+# tests/kernels/test_c_interface.py compares every field's name and type with the C source.
 _P = ctypes.c_void_p
-_I = ctypes.c_int
+_I = ctypes.c_int32
 _L = ctypes.c_int64
 _F = ctypes.c_float
-_SIGNATURES = {
-    "sg_linear": [_I, _I, _L, _L, _L, _P, _L, _I, _P, _F, _P, _P, _P, _L, _I],
-    "sg_rope": [_I, _L, _L, _L, _P, _L, _P, _P],
-    "sg_write_kv": [_I, _L, _L, _P, _L, _P, _L, _P, _L, _P],
-    "sg_decode_attention": [_I, _L, _L, _L, _L, _P, _L, _P, _L, _P, _P, _L, _L, _P, _L, _L, _P, _P, _L, _F],
-    "sg_decode_stack": [
-        _I, _L, _P, _L, _L, _L, _L, _L, _L, _F, _P, _P, _P, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _F
-    ],
+
+
+def _sized(cls: type[ctypes.Structure]) -> type[ctypes.Structure]:
+    cls.SIZE = ctypes.sizeof(cls)
+    return cls
+
+
+@_sized
+class _LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("size", _L), ("dt", _I), ("ydt", _I), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L),
+        ("prologue", _I), ("norm_w", _P), ("eps", _F), ("w", _P), ("bias", _P), ("y", _P), ("ldy", _L),
+        ("accumulate", _I),
+    ]
+
+
+@_sized
+class _RopeArgs(ctypes.Structure):
+    _fields_ = [
+        ("size", _L), ("dt", _I), ("T", _L), ("H", _L), ("D", _L), ("x", _P), ("row_stride", _L),
+        ("cos", _P), ("ssin", _P),
+    ]
+
+
+@_sized
+class _WriteKVArgs(ctypes.Structure):
+    _fields_ = [
+        ("size", _L), ("dt", _I), ("n", _L), ("width", _L), ("k", _P), ("ldk", _L), ("v", _P), ("ldv", _L),
+        ("cache", _P), ("num_slots", _L), ("slot_mapping", _P),
+    ]
+
+
+@_sized
+class _DecodeAttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("size", _L), ("dt", _I), ("n", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("q", _P), ("ldq", _L),
+        ("out", _P), ("T", _L), ("rows", _P), ("cache", _P), ("num_blocks", _L), ("block_size", _L),
+        ("block_table", _P), ("B", _L), ("ld_bt", _L), ("reqs", _P), ("lens", _P), ("seg", _L),
+        ("scale", _F),
+    ]
+
+
+@_sized
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")]
+
+
+@_sized
+class _DecodeStackArgs(ctypes.Structure):
+    _fields_ = [
+        ("size", _L), ("layer_size", _L), ("dt", _I), ("num_layers", _L), ("layers", ctypes.POINTER(_Layer)),
+        ("M", _L), ("H", _L), ("I", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("eps", _F), ("h", _P),
+        ("cos", _P), ("ssin", _P), ("num_blocks", _L), ("block_size", _L), ("n", _L), ("slot_mapping", _P),
+        ("rows", _P), ("block_table", _P), ("ld_bt", _L), ("reqs", _P), ("lens", _P), ("seg", _L),
+        ("scale", _F),
+    ]
+
+
+_ARGS = {
+    "sg_linear": _LinearArgs, "sg_rope": _RopeArgs, "sg_write_kv": _WriteKVArgs,
+    "sg_decode_attention": _DecodeAttentionArgs, "sg_decode_stack": _DecodeStackArgs,
 }
 _ERRORS = {-1: "unsupported shape", -2: "out of memory", -3: "row index outside the batch",
-           -4: "block id outside the cache"}
+           -4: "block id outside the cache",
+           -5: "argument struct of another size (the library and cpu.py disagree on its layout)"}
 
 
 def _library():
@@ -58,9 +116,9 @@ def _library():
         lib = build.load()
         if lib is None:
             return None
-        for name, argtypes in _SIGNATURES.items():
+        for name, args in _ARGS.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
         _lib = lib
     return _lib
 
@@ -196,11 +254,12 @@ def linear(
     ydt = _dtype_code(y, "output")
     if m == 0:
         return y
-    rc = _library().sg_linear(
-        dt, ydt, m, n, k, x.data_ptr(), x.stride(0), _PROLOGUES[prologue],
-        None if norm_weight is None else norm_weight.data_ptr(), eps, weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), n, residual is not None,
-    )
+    rc = _library().sg_linear(_LinearArgs(
+        size=_LinearArgs.SIZE, dt=dt, ydt=ydt, M=m, N=n, K=k, x=x.data_ptr(), ldx=x.stride(0),
+        prologue=_PROLOGUES[prologue], norm_w=None if norm_weight is None else norm_weight.data_ptr(),
+        eps=eps, w=weight.data_ptr(), bias=None if bias is None else bias.data_ptr(), y=y.data_ptr(),
+        ldy=n, accumulate=residual is not None,
+    ))
     _check(rc, "sg_linear")
     return y
 
@@ -228,8 +287,10 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
     for name, table in (("cos", cos), ("sin", sin)):
         if table.dtype != torch.float32 or table.shape != (t, head_dim) or not table.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 ({t}, {head_dim}), got {tuple(table.shape)}")
-    lib = _library()
-    rc = lib.sg_rope(dt, t, num_heads, head_dim, x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr())
+    rc = _library().sg_rope(_RopeArgs(
+        size=_RopeArgs.SIZE, dt=dt, T=t, H=num_heads, D=head_dim, x=x.data_ptr(), row_stride=x.stride(0),
+        cos=cos.data_ptr(), ssin=sin.data_ptr(),
+    ))
     _check(rc, "sg_rope")
 
 
@@ -288,12 +349,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
             )
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
     slots = slots.contiguous()
-    rc = _library().sg_write_kv(
-        dt, n, hkv * d, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(),
-        num_blocks * block_size, slots.data_ptr(),
-    )
-    if rc:
+    rc = _library().sg_write_kv(_WriteKVArgs(
+        size=_WriteKVArgs.SIZE, dt=dt, n=n, width=hkv * d, k=k.data_ptr(), ldk=k.stride(0), v=v.data_ptr(),
+        ldv=v.stride(0), cache=kv_cache.data_ptr(), num_slots=num_blocks * block_size,
+        slot_mapping=slots.data_ptr(),
+    ))
+    if rc == -1:
         raise ValueError(f"a slot in slot_mapping is outside [0, {num_blocks * block_size})")
+    _check(rc, "sg_write_kv")
 
 
 def decode_attention(
@@ -346,11 +409,13 @@ def decode_attention(
             raise ValueError(f"{name} must be a contiguous ({n},) int64 tensor")
     if n == 0:
         return
-    rc = _library().sg_decode_attention(
-        dt, n, hq, hkv, d, q.data_ptr(), q.stride(0), out.data_ptr(), q.shape[0], rows.data_ptr(),
-        kv_cache.data_ptr(), num_blocks, block_size, block_table.data_ptr(), block_table.shape[0],
-        block_table.shape[1], reqs.data_ptr(), lens.data_ptr(), kv_segment_size, scale,
-    )
+    rc = _library().sg_decode_attention(_DecodeAttentionArgs(
+        size=_DecodeAttentionArgs.SIZE, dt=dt, n=n, Hq=hq, Hkv=hkv, D=d, q=q.data_ptr(), ldq=q.stride(0),
+        out=out.data_ptr(), T=q.shape[0], rows=rows.data_ptr(), cache=kv_cache.data_ptr(),
+        num_blocks=num_blocks, block_size=block_size, block_table=block_table.data_ptr(),
+        B=block_table.shape[0], ld_bt=block_table.shape[1], reqs=reqs.data_ptr(), lens=lens.data_ptr(),
+        seg=kv_segment_size, scale=scale,
+    ))
     _raise_decode_error(rc, q.shape[0], block_table, block_size, num_blocks)
     _check(rc, "sg_decode_attention")
 
@@ -366,11 +431,6 @@ def _raise_decode_error(
                          f"[0, {block_table.shape[0]})")
     if rc == -4:
         raise ValueError(f"a decode walks a block id outside [1, {num_blocks}) (0 is the null block)")
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")]
 
 
 class DecodeStack:
@@ -432,6 +492,13 @@ class DecodeStack:
             *[_Layer(*[None if t is None else t.data_ptr() for t in layer[:7]], None) for layer in layers]
         )
         self._arange = torch.arange(0)
+        # What every step shares, filled once; run() sets the step's own fields.
+        _, num_blocks, block_size, _, _ = self.cache_shape
+        self._args = _DecodeStackArgs(
+            size=_DecodeStackArgs.SIZE, layer_size=_Layer.SIZE, dt=_DTYPES[self.dtype],
+            num_layers=len(layers), layers=self._array, H=h, I=i, Hq=num_heads, Hkv=num_kv_heads,
+            D=head_dim, eps=eps, num_blocks=num_blocks, block_size=block_size,
+        )
 
     def run(
         self,
@@ -484,12 +551,13 @@ class DecodeStack:
         if self._arange.shape[0] < n:
             self._arange = torch.arange(max(n, 2 * self._arange.shape[0]))
         _, num_blocks, block_size, _, _ = self.cache_shape
-        rc = _library().sg_decode_stack(
-            _DTYPES[self.dtype], len(self._array), self._array, m, self.hidden, self.inter, self.heads,
-            self.kv_heads, self.head_dim, self.eps, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_blocks,
-            block_size, n, slot_mapping.data_ptr(), self._arange.data_ptr(), block_table.data_ptr(),
-            block_table.shape[1], self._arange.data_ptr(), lens.data_ptr(), kv_segment_size, scale,
-        )
+        a = self._args
+        a.M, a.h, a.cos, a.ssin, a.n = m, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), n
+        a.slot_mapping, a.rows = slot_mapping.data_ptr(), self._arange.data_ptr()
+        a.reqs = a.rows  # decode j is batch row j and block-table row j
+        a.block_table, a.ld_bt, a.lens = block_table.data_ptr(), block_table.shape[1], lens.data_ptr()
+        a.seg, a.scale = kv_segment_size, scale
+        rc = _library().sg_decode_stack(a)
         if rc == -1:
             raise ValueError(
                 f"a slot is outside [0, {num_blocks * block_size}) or a length outside "

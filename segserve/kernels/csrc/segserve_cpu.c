@@ -4,15 +4,19 @@
  * small ops per layer at ~5 us each, GEMVs that reach ~20 GB/s of ~30, and per-segment flash calls that
  * cost more than the few thousand keys they read. These kernels do a layer's work in a handful of calls:
  *
- *   sg_linear            y = W x (+ bias) for M <= a few rows, optionally after an RMSNorm or SiLU-gate
- *                        prologue and with a residual-add epilogue; W streamed once for all rows.
+ *   sg_linear            y = W x (+ bias) for a few rows, with an optional prologue and residual add.
  *   sg_rope              rotary embedding of the Q and K heads of a fused QKV output, in place.
  *   sg_write_kv          K/V rows into their cache slots.
- *   sg_decode_attention  decode attention through the block table, in place (no gathered copy), split
- *                        into fixed-size KV segments whose partials merge by log-sum-exp
- *                        (FlashAttention's online softmax; "Flash-Decoding" split-KV, Dao et al. 2023).
- *   sg_decode_stack      all layers of a decode-only step in one call (the above, in the eager order), so
- *                        a batch-1 step pays Python's per-op cost once instead of ~200 times.
+ *   sg_decode_attention  decode attention through the block table, split-KV with a log-sum-exp merge.
+ *   sg_decode_stack      all layers of a decode-only step in one call.
+ *
+ * Calling convention: each entry point takes one pointer to its sg_*_args struct of named fields
+ * (mirrored field for field by a ctypes.Structure in segserve/kernels/cpu.py), never a list of
+ * positional arguments, where one swapped pair would read or write the wrong memory without a word.
+ * Each struct's first field is its size in bytes as the caller built it; an entry point whose struct
+ * has another size than its own returns ERR_LAYOUT before reading anything else, so a library and a
+ * wrapper built from different versions of a struct refuse to run instead of corrupting memory (the
+ * tests also compare the field names and types of both sides). Returns: OK or a negative ERR_* code.
  *
  * Numerics: float32 accumulation everywhere. Elementwise results are rounded to the activation dtype at
  * the points where the eager model rounds (RoPE matches it bit for bit); reductions (dot products, norms,
@@ -34,12 +38,13 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SILU_MUL = 2 };
-enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4 };
+enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR_LAYOUT = -5 };
 
 #define MT 4 /* rows of x per register tile */
 #define NT 4 /* rows of W per register tile */
 
-int sg_abi_version(void) { return 2; }
+/* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
+int sg_abi_version(void) { return 3; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -213,14 +218,37 @@ static void prologue_row(int dt, int prologue, int64_t K, const void *x, int64_t
     }
 }
 
-/* y[m, n] (= or +=) W[n, :] . prologue(x[m, :]) (+ bias[n]) for m < M, n < N.
- *
- * dt: dtype of x, W, norm_w, bias and of the rounding of the product; ydt: dtype of y. With accumulate,
- * y = round(y + round(W x)), the eager ``h.add_(linear(x))``. K must be a multiple of 32 and N of 4.
- * Returns OK, ERR_SHAPE or ERR_NOMEM. */
-int sg_linear(int dt, int ydt, int64_t M, int64_t N, int64_t K, const void *x, int64_t ldx, int prologue,
-              const void *norm_w, float eps, const void *w, const void *bias, void *y, int64_t ldy,
-              int accumulate) {
+typedef struct {
+    int64_t size;       /* sizeof(sg_linear_args) */
+    int32_t dt;         /* dtype of x, w, norm_w, bias and of the rounding of the product */
+    int32_t ydt;        /* dtype of y */
+    int64_t M;          /* rows of x and y, >= 1 */
+    int64_t N;          /* rows of w (outputs per row), a multiple of 4 */
+    int64_t K;          /* columns of w, a multiple of 32 */
+    const void *x;      /* (M, K) rows, or (M, 2K) [gate | up] for PRO_SILU_MUL; each row contiguous */
+    int64_t ldx;        /* row stride of x, elements */
+    int32_t prologue;   /* PRO_NONE, PRO_RMSNORM or PRO_SILU_MUL */
+    const void *norm_w; /* (K,) RMSNorm weight for PRO_RMSNORM, else unused */
+    float eps;          /* RMSNorm epsilon */
+    const void *w;      /* (N, K) contiguous */
+    const void *bias;   /* (N,) or NULL */
+    void *y;            /* (M, N) with row stride ldy */
+    int64_t ldy;        /* row stride of y, elements */
+    int32_t accumulate; /* nonzero: y = round(y + round(W x)), the eager ``h.add_(linear(x))`` */
+} sg_linear_args;
+
+/* y[m, n] (= or +=) W[n, :] . prologue(x[m, :]) (+ bias[n]) for m < M, n < N, for a few rows (decode
+ * batches): W is streamed once for all rows, NT rows of W by up to MT rows of x per register tile, the
+ * prologue (RMSNorm or SiLU gate) applied to x first and the residual add fused into the store.
+ * Returns OK, ERR_LAYOUT, ERR_SHAPE or ERR_NOMEM. */
+int sg_linear(const sg_linear_args *a) {
+    if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
+    /* Locals, not a->field, in the loops: the compiler cannot prove y does not alias *a. */
+    const int dt = a->dt, ydt = a->ydt, prologue = a->prologue, accumulate = a->accumulate;
+    const int64_t M = a->M, N = a->N, K = a->K, ldx = a->ldx, ldy = a->ldy;
+    const void *x = a->x, *norm_w = a->norm_w, *w = a->w, *bias = a->bias;
+    const float eps = a->eps;
+    void *y = a->y;
     if (M < 1 || K % 32 || N % NT) return ERR_SHAPE;
     size_t es = dt == DT_F32 ? 4 : 2;
     const void *xin = x;
@@ -270,11 +298,27 @@ int sg_linear(int dt, int ydt, int64_t M, int64_t N, int64_t K, const void *x, i
 
 /* ---- RoPE and KV writes ------------------------------------------------------------------------- */
 
-/* Rotate heads [0, H) of each row of x (T, row_stride) in place: x*cos + roll(x, D/2)*ssin with the
- * (T, D) float32 tables rounded to dt first, each product and the sum rounded to dt (the eager
- * ``apply_rope`` on dt tensors). */
-int sg_rope(int dt, int64_t T, int64_t H, int64_t D, void *x, int64_t row_stride, const float *cos,
-            const float *ssin) {
+typedef struct {
+    int64_t size;      /* sizeof(sg_rope_args) */
+    int32_t dt;        /* dtype of x */
+    int64_t T;         /* rows of x */
+    int64_t H;         /* heads to rotate: [0, H) of each row */
+    int64_t D;         /* head dim, even, <= 1024 */
+    void *x;           /* (T, >= H * D) rows, each contiguous */
+    int64_t row_stride; /* row stride of x, elements */
+    const float *cos;  /* (T, D) float32 contiguous */
+    const float *ssin; /* (T, D) float32 contiguous, sin with its first half negated */
+} sg_rope_args;
+
+/* Rotate heads [0, H) of each row of x in place: x*cos + roll(x, D/2)*ssin with the tables rounded
+ * to dt first, each product and the sum rounded to dt (the eager ``apply_rope`` on dt tensors, bit
+ * for bit). Returns OK, ERR_LAYOUT or ERR_SHAPE. */
+int sg_rope(const sg_rope_args *a) {
+    if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
+    const int dt = a->dt;
+    const int64_t T = a->T, H = a->H, D = a->D, row_stride = a->row_stride;
+    void *x = a->x;
+    const float *cos = a->cos, *ssin = a->ssin;
     if (D % 2 || D > 1024) return ERR_SHAPE;
 #pragma omp parallel for schedule(static) if (T * H >= 256)
     for (int64_t t = 0; t < T; t++) {
@@ -296,11 +340,29 @@ int sg_rope(int dt, int64_t T, int64_t H, int64_t D, void *x, int64_t row_stride
     return OK;
 }
 
-/* Copy rows t < n of k and v (each row Hkv*D values of dt, row strides ldk/ldv) into cache slots
- * slot_mapping[t] of the [2, num_slots, Hkv*D] cache (same dt). ERR_SHAPE, writing nothing, when a slot
- * is outside [0, num_slots). */
-int sg_write_kv(int dt, int64_t n, int64_t width, const void *k, int64_t ldk, const void *v, int64_t ldv,
-                void *cache, int64_t num_slots, const int64_t *slot_mapping) {
+typedef struct {
+    int64_t size;                /* sizeof(sg_write_kv_args) */
+    int32_t dt;                  /* dtype of k, v and the cache */
+    int64_t n;                   /* rows to write */
+    int64_t width;               /* values per row, Hkv * D */
+    const void *k;               /* (>= n, width) rows, each contiguous */
+    int64_t ldk;                 /* row stride of k, elements */
+    const void *v;               /* (>= n, width) rows, each contiguous */
+    int64_t ldv;                 /* row stride of v, elements */
+    void *cache;                 /* [2, num_slots, width] contiguous: K half, then V half */
+    int64_t num_slots;           /* num_blocks * block_size */
+    const int64_t *slot_mapping; /* (n,) the slot of each row */
+} sg_write_kv_args;
+
+/* Copy rows t < n of k and v into cache slots slot_mapping[t]. Returns OK, ERR_LAYOUT, or ERR_SHAPE,
+ * writing nothing, when a slot is outside [0, num_slots). */
+int sg_write_kv(const sg_write_kv_args *a) {
+    if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
+    const int dt = a->dt;
+    const int64_t n = a->n, width = a->width, ldk = a->ldk, ldv = a->ldv, num_slots = a->num_slots;
+    const void *k = a->k, *v = a->v;
+    void *cache = a->cache;
+    const int64_t *slot_mapping = a->slot_mapping;
     size_t es = dt == DT_F32 ? 4 : 2;
     char *c = (char *)cache;
     for (int64_t t = 0; t < n; t++) /* all checked before any write: a bad slot leaves the cache as it was */
@@ -315,9 +377,8 @@ int sg_write_kv(int dt, int64_t n, int64_t width, const void *k, int64_t ldk, co
 
 /* ---- decode attention --------------------------------------------------------------------------- */
 
-
-#define MAX_G 16
-#define MAX_D 256
+#define MAX_G 16  /* query heads per KV head (cpu.py MAX_QUERY_HEADS_PER_KV_HEAD): bounds stack buffers */
+#define MAX_D 256 /* head dim (cpu.py MAX_HEAD_DIM) */
 
 /* One (decode, KV head, segment) work item: unnormalised output o[G][D], running max m[G] and sum l[G]
  * of exp(score - m) over tokens [t0, t1) of the request's cache, read in place through its block table. */
@@ -377,58 +438,71 @@ static inline __attribute__((always_inline)) void segment_partial(
         for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(o + g * D + c * 16, acc[g * nv + c]);
 }
 
-/* Attention of n decode queries to their cached tokens, read in place through the block table.
- *
- * q: (T, >= Hq * D) of dt with row stride ldq, out: (T, Hq, D) of dt; decode j reads q row rows[j] and
- * writes out row rows[j] (query head
- * h*G + g uses KV head h, G = Hq / Hkv). cache: [2, num_blocks, block_size, Hkv, D] of dt.
- * block_table: (B, ld_bt) int32; decode j uses row req[j] and attends to its first lens[j] tokens
- * (its own token included, already written). Each decode's tokens are walked in segments of seg
- * tokens (halved while there are fewer than two work items per thread), one work item per (decode, KV
- * head, segment), merged by log-sum-exp.
- * Needs D a multiple of 16 up to 256, G up to 16; rows, table rows, lengths and block ids inside their
- * tensors (check_decodes: ERR_ROW, ERR_SHAPE, ERR_BLOCK, before anything is read). */
-/* What every decode reads must lie inside the tensors: its rows (< T), its block-table row (< B), its
+typedef struct {
+    int64_t size;               /* sizeof(sg_decode_attention_args) */
+    int32_t dt;                 /* dtype of q, out and the cache */
+    int64_t n;                  /* decodes */
+    int64_t Hq;                 /* query heads; head h*G + g uses KV head h, G = Hq / Hkv <= MAX_G */
+    int64_t Hkv;                /* KV heads */
+    int64_t D;                  /* head dim, a multiple of 16 up to MAX_D */
+    const void *q;              /* (T, >= Hq * D) rows, each contiguous */
+    int64_t ldq;                /* row stride of q, elements */
+    void *out;                  /* (T, Hq, D) contiguous */
+    int64_t T;                  /* rows of q and out */
+    const int64_t *rows;        /* (n,) the q/out row of each decode, < T */
+    const void *cache;          /* [2, num_blocks, block_size, Hkv, D] contiguous */
+    int64_t num_blocks;         /* blocks of the cache (block 0 is the null block) */
+    int64_t block_size;         /* tokens per block */
+    const int32_t *block_table; /* (B, ld_bt) contiguous block ids */
+    int64_t B;                  /* rows of the block table */
+    int64_t ld_bt;              /* columns of the block table */
+    const int64_t *reqs;        /* (n,) the block-table row of each decode, < B */
+    const int64_t *lens;        /* (n,) tokens each decode attends to, its own (already written) included */
+    int64_t seg;                /* tokens per KV segment, >= 1 (the most; see decode_attention) */
+    float scale;                /* softmax scale */
+} sg_decode_attention_args;
+
+/* Whether what every decode reads lies inside the tensors: its row (< T), its block-table row (< B), its
  * length (1 .. ld_bt * block_size) and every block id it walks (1 .. num_blocks - 1; 0 is the null
- * block and never holds a token). */
-static int check_decodes(int64_t n, int64_t T, int64_t B, const int64_t *rows, const int64_t *req,
-                         const int64_t *lens, const int32_t *block_table, int64_t ld_bt, int64_t block_size,
-                         int64_t num_blocks) {
-    for (int64_t j = 0; j < n; j++) {
-        if (rows[j] < 0 || rows[j] >= T || req[j] < 0 || req[j] >= B) return ERR_ROW;
-        if (lens[j] < 1 || lens[j] > ld_bt * block_size) return ERR_SHAPE;
-        const int32_t *bt = block_table + req[j] * ld_bt;
-        for (int64_t b = 0; b < (lens[j] + block_size - 1) / block_size; b++)
-            if (bt[b] < 1 || bt[b] >= num_blocks) return ERR_BLOCK;
+ * block and never holds a token). Returns OK, ERR_ROW, ERR_SHAPE or ERR_BLOCK. */
+static int check_decodes(const sg_decode_attention_args *a) {
+    for (int64_t j = 0; j < a->n; j++) {
+        if (a->rows[j] < 0 || a->rows[j] >= a->T || a->reqs[j] < 0 || a->reqs[j] >= a->B) return ERR_ROW;
+        if (a->lens[j] < 1 || a->lens[j] > a->ld_bt * a->block_size) return ERR_SHAPE;
+        const int32_t *bt = a->block_table + a->reqs[j] * a->ld_bt;
+        for (int64_t b = 0; b < (a->lens[j] + a->block_size - 1) / a->block_size; b++)
+            if (bt[b] < 1 || bt[b] >= a->num_blocks) return ERR_BLOCK;
     }
     return OK;
 }
 
-static int decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq,
-                            void *out, const int64_t *rows, const void *cache, int64_t num_blocks,
-                            int64_t block_size, const int32_t *block_table, int64_t ld_bt, const int64_t *req,
-                            const int64_t *lens, int64_t seg, float scale);
-
-int sg_decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq, void *out,
-                        int64_t T, const int64_t *rows, const void *cache, int64_t num_blocks, int64_t block_size,
-                        const int32_t *block_table, int64_t B, int64_t ld_bt, const int64_t *req,
-                        const int64_t *lens, int64_t seg, float scale) {
-    if (D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G || seg < 1) return ERR_SHAPE;
-    int rc = check_decodes(n, T, B, rows, req, lens, block_table, ld_bt, block_size, num_blocks);
-    if (rc != OK) return rc;
-    return decode_attention(dt, n, Hq, Hkv, D, q, ldq, out, rows, cache, num_blocks, block_size, block_table,
-                            ld_bt, req, lens, seg, scale);
-}
-
-/* sg_decode_attention after its checks (the decode stack checks once for all layers). */
-static int decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t D, const void *q, int64_t ldq,
-                            void *out, const int64_t *rows, const void *cache, int64_t num_blocks,
-                            int64_t block_size, const int32_t *block_table, int64_t ld_bt, const int64_t *req,
-                            const int64_t *lens, int64_t seg, float scale) {
+/* sg_decode_attention without its checks (the decode stack checks once for all layers).
+ *
+ * Each decode's tokens are walked in segments, one work item per (decode, KV head, segment), each
+ * giving an unnormalised partial (segment_partial) that a second pass merges per (decode, KV head) by
+ * log-sum-exp: L = max_s m_s, o = sum_s o_s e^(m_s - L) / sum_s l_s e^(m_s - L) (FlashAttention's
+ * online softmax; "Flash-Decoding" split-KV, Dao et al. 2023). The segment is a->seg tokens at most,
+ * and shorter when the contexts are short: few decodes over short contexts give fewer work items than
+ * threads (one decode of 300 tokens with 2 KV heads is 2 items for seg = 512), so the segment is halved,
+ * down to 64 tokens, until there are two work items per thread and every core has work. This differs
+ * from the eager segmented backend, which always walks kv_segment_size-token segments; it does not
+ * change the result beyond rounding: the merge is exact in real arithmetic for any split, so another
+ * split only reorders float32 sums (within 1e-6 of each other in float32, observed ~1e-7; within one
+ * bfloat16 ulp of the output in bfloat16; tests/kernels/test_cpu_kernels.py checks both).
+ * Returns OK or ERR_NOMEM. */
+static int decode_attention(const sg_decode_attention_args *a) {
+    const int dt = a->dt;
+    const int64_t n = a->n, Hq = a->Hq, Hkv = a->Hkv, D = a->D, ldq = a->ldq, num_blocks = a->num_blocks;
+    const int64_t block_size = a->block_size, ld_bt = a->ld_bt;
+    const void *q = a->q, *cache = a->cache;
+    void *out = a->out;
+    const int64_t *rows = a->rows, *req = a->reqs, *lens = a->lens;
+    const int32_t *block_table = a->block_table;
+    const float scale = a->scale;
+    int64_t seg = a->seg;
     int64_t G = Hq / Hkv;
     if (seg > ld_bt * block_size) seg = ld_bt * block_size; /* no decode is longer: bounds the buffers */
-    /* Few decodes over short contexts would leave cores idle: halve the segment (down to 64 tokens)
-     * until there are two work items per thread. */
+    /* Short contexts would leave cores idle: halve the segment (see above). */
     int64_t total = 0, threads = omp_get_max_threads();
     for (int64_t j = 0; j < n; j++) total += (lens[j] + seg - 1) / seg;
     while (seg > 64 && total * Hkv < 2 * threads) {
@@ -523,56 +597,127 @@ static int decode_attention(int dt, int64_t n, int64_t Hq, int64_t Hkv, int64_t 
     return failed ? ERR_NOMEM : OK;
 }
 
+/* Attention of n decode queries to their cached tokens, read in place through the block table (no
+ * gathered copy): decode j reads q row rows[j] and writes out row rows[j] (other rows untouched),
+ * attending to the first lens[j] tokens of block-table row reqs[j]. Segments and merge: see
+ * decode_attention. Everything every decode reads is checked before anything is read (check_decodes).
+ * Returns OK, ERR_LAYOUT, ERR_SHAPE, ERR_ROW, ERR_BLOCK or ERR_NOMEM. */
+int sg_decode_attention(const sg_decode_attention_args *a) {
+    if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
+    if (a->D % 16 || a->D > MAX_D || a->Hq % a->Hkv || a->Hq / a->Hkv > MAX_G || a->seg < 1) return ERR_SHAPE;
+    int rc = check_decodes(a);
+    return rc != OK ? rc : decode_attention(a);
+}
+
 /* ---- a whole decode step ------------------------------------------------------------------------ */
 
-/* One Llama decoder layer's weights (dt) and KV cache ([2, num_blocks, block_size, Hkv, D], dt). */
+/* One Llama decoder layer's weights (dt, contiguous) and KV cache. */
 typedef struct {
-    const void *ln1, *qkv, *qkv_bias, *o, *ln2, *gate_up, *down;
-    void *kv_cache;
+    const void *ln1;      /* (H,) input RMSNorm weight */
+    const void *qkv;      /* ((Hq + 2 Hkv) D, H) fused Q, K, V projection */
+    const void *qkv_bias; /* ((Hq + 2 Hkv) D,) or NULL */
+    const void *o;        /* (H, Hq D) output projection */
+    const void *ln2;      /* (H,) post-attention RMSNorm weight */
+    const void *gate_up;  /* (2 I, H) fused gate and up projection */
+    const void *down;     /* (H, I) down projection */
+    void *kv_cache;       /* [2, num_blocks, block_size, Hkv, D] */
 } sg_layer;
 
-/* Every layer of a decode-only step in one call: per layer, h += o(attn(rope(qkv(norm1(h))))) and
+typedef struct {
+    int64_t size;                /* sizeof(sg_decode_stack_args) */
+    int64_t layer_size;          /* sizeof(sg_layer): the layers array is checked against drift too */
+    int32_t dt;                  /* dtype of the weights, caches and h */
+    int64_t num_layers;          /* entries of layers */
+    const sg_layer *layers;      /* (num_layers,) */
+    int64_t M;                   /* rows of h: n decodes, then padding */
+    int64_t H;                   /* hidden size, a multiple of 32 */
+    int64_t I;                   /* intermediate size, a multiple of 32 */
+    int64_t Hq;                  /* query heads */
+    int64_t Hkv;                 /* KV heads */
+    int64_t D;                   /* head dim */
+    float eps;                   /* RMSNorm epsilon */
+    void *h;                     /* (M, H) residual stream, contiguous, updated in place */
+    const float *cos;            /* (M, D) float32 RoPE rows */
+    const float *ssin;           /* (M, D) float32, sin with its first half negated */
+    int64_t num_blocks;          /* blocks of each cache */
+    int64_t block_size;          /* tokens per block */
+    int64_t n;                   /* decodes, <= M */
+    const int64_t *slot_mapping; /* (n,) cache slot of each decode's new token */
+    const int64_t *rows;         /* (n,) must be 0..n-1 */
+    const int32_t *block_table;  /* (>= n, ld_bt): row j is decode j's */
+    int64_t ld_bt;               /* columns of the block table */
+    const int64_t *reqs;         /* (n,) must be 0..n-1 */
+    const int64_t *lens;         /* (n,) tokens each decode attends to, its own included */
+    int64_t seg;                 /* tokens per KV segment, the most (see decode_attention) */
+    float scale;                 /* softmax scale */
+} sg_decode_stack_args;
+
+/* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
+ * instead of ~200 times: per layer, h += o(attn(rope(qkv(norm1(h))))) and
  * h += down(silu_mul(gate_up(norm2(h)))), the same kernels as the per-op path in the same order.
  *
- * h: (M, H) dt residual stream, updated in place. Rows 0..n-1 are the decodes (row j is request j of
- * the block table, reqs[j] == j, rows[j] == j); rows n..M-1 are padding: computed, never written to
- * the cache, given zero attention output. cos, ssin: (M, D) float32 RoPE rows. slot_mapping: (n,) the
- * cache slot of each decode's new token. block_table, reqs, lens, seg, scale: as sg_decode_attention.
- * Returns OK, ERR_SHAPE / ERR_ROW / ERR_BLOCK (checked up front: nothing written) or ERR_NOMEM. */
-int sg_decode_stack(int dt, int64_t num_layers, const sg_layer *layers, int64_t M, int64_t H, int64_t I,
-                    int64_t Hq, int64_t Hkv, int64_t D, float eps, void *h, const float *cos, const float *ssin,
-                    int64_t num_blocks, int64_t block_size, int64_t n, const int64_t *slot_mapping,
-                    const int64_t *rows, const int32_t *block_table, int64_t ld_bt, const int64_t *reqs,
-                    const int64_t *lens, int64_t seg, float scale) {
+ * Rows 0..n-1 of h are the decodes (row j is request j of the block table); rows n..M-1 are padding:
+ * computed, never written to the cache, given zero attention output. Returns OK, ERR_LAYOUT,
+ * ERR_SHAPE / ERR_ROW / ERR_BLOCK (checked up front: nothing written) or ERR_NOMEM. */
+int sg_decode_stack(const sg_decode_stack_args *a) {
+    if (a->size != (int64_t)sizeof *a || a->layer_size != (int64_t)sizeof(sg_layer)) return ERR_LAYOUT;
+    const int dt = a->dt;
+    const int64_t M = a->M, H = a->H, I = a->I, Hq = a->Hq, Hkv = a->Hkv, D = a->D, n = a->n;
+    const int64_t num_blocks = a->num_blocks, block_size = a->block_size;
+    const int64_t *slot_mapping = a->slot_mapping;
+    void *h = a->h;
     /* Checked before anything is written, so bad input leaves h and the caches as they were. */
-    if (n > M || H % 32 || I % 32 || D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G || seg < 1) return ERR_SHAPE;
+    if (n > M || H % 32 || I % 32 || D % 16 || D > MAX_D || Hq % Hkv || Hq / Hkv > MAX_G || a->seg < 1)
+        return ERR_SHAPE;
     for (int64_t j = 0; j < n; j++)
-        if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || reqs[j] != j || rows[j] != j)
+        if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || a->reqs[j] != j ||
+            a->rows[j] != j)
             return ERR_SHAPE;
-    int rc = check_decodes(n, M, n, rows, reqs, lens, block_table, ld_bt, block_size, num_blocks);
-    if (rc != OK) return rc;
     size_t es = dt == DT_F32 ? 4 : 2;
     int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D;
     char *qkv = (char *)malloc(es * M * nqkv);
     void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
     void *gate_up = malloc(es * M * 2 * I);
-    rc = (!qkv || !attn || !gate_up) ? ERR_NOMEM : OK;
-    for (int64_t l = 0; l < num_layers && rc == OK; l++) {
-        const sg_layer *ly = &layers[l];
-        rc = sg_linear(dt, dt, M, nqkv, H, h, H, PRO_RMSNORM, ly->ln1, eps, ly->qkv, ly->qkv_bias, qkv, nqkv, 0);
-        if (rc == OK) rc = sg_rope(dt, M, Hq + Hkv, D, qkv, nqkv, cos, ssin);
+    /* Every layer's attention but for its cache: its q rows are the fused QKV output's Q heads. */
+    sg_decode_attention_args att = {
+        .size = sizeof att, .dt = dt, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .q = qkv, .ldq = nqkv,
+        .out = attn, .T = M, .rows = a->rows, .num_blocks = num_blocks, .block_size = block_size,
+        .block_table = a->block_table, .B = n, .ld_bt = a->ld_bt, .reqs = a->reqs, .lens = a->lens,
+        .seg = a->seg, .scale = a->scale};
+    int rc = check_decodes(&att);
+    if (rc == OK && (!qkv || !attn || !gate_up)) rc = ERR_NOMEM;
+    for (int64_t l = 0; l < a->num_layers && rc == OK; l++) {
+        const sg_layer *ly = &a->layers[l];
+        rc = sg_linear(&(sg_linear_args){
+            .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = nqkv, .K = H, .x = h, .ldx = H,
+            .prologue = PRO_RMSNORM, .norm_w = ly->ln1, .eps = a->eps, .w = ly->qkv, .bias = ly->qkv_bias,
+            .y = qkv, .ldy = nqkv});
         if (rc == OK)
-            rc = sg_write_kv(dt, n, Hkv * D, qkv + es * nq, nqkv, qkv + es * (nq + Hkv * D), nqkv, ly->kv_cache,
-                             num_blocks * block_size, slot_mapping);
+            rc = sg_rope(&(sg_rope_args){
+                .size = sizeof(sg_rope_args), .dt = dt, .T = M, .H = Hq + Hkv, .D = D, .x = qkv,
+                .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin});
         if (rc == OK)
-            rc = decode_attention(dt, n, Hq, Hkv, D, qkv, nqkv, attn, rows, ly->kv_cache, num_blocks, block_size,
-                                  block_table, ld_bt, reqs, lens, seg, scale);
-        if (rc == OK) rc = sg_linear(dt, dt, M, H, nq, attn, nq, PRO_NONE, NULL, 0.0f, ly->o, NULL, h, H, 1);
+            rc = sg_write_kv(&(sg_write_kv_args){
+                .size = sizeof(sg_write_kv_args), .dt = dt, .n = n, .width = Hkv * D, .k = qkv + es * nq,
+                .ldk = nqkv, .v = qkv + es * (nq + Hkv * D), .ldv = nqkv, .cache = ly->kv_cache,
+                .num_slots = num_blocks * block_size, .slot_mapping = slot_mapping});
+        if (rc == OK) {
+            att.cache = ly->kv_cache;
+            rc = decode_attention(&att);
+        }
         if (rc == OK)
-            rc = sg_linear(dt, dt, M, 2 * I, H, h, H, PRO_RMSNORM, ly->ln2, eps, ly->gate_up, NULL, gate_up,
-                           2 * I, 0);
+            rc = sg_linear(&(sg_linear_args){
+                .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = nq, .x = attn,
+                .ldx = nq, .prologue = PRO_NONE, .w = ly->o, .y = h, .ldy = H, .accumulate = 1});
         if (rc == OK)
-            rc = sg_linear(dt, dt, M, H, I, gate_up, 2 * I, PRO_SILU_MUL, NULL, 0.0f, ly->down, NULL, h, H, 1);
+            rc = sg_linear(&(sg_linear_args){
+                .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = 2 * I, .K = H, .x = h,
+                .ldx = H, .prologue = PRO_RMSNORM, .norm_w = ly->ln2, .eps = a->eps, .w = ly->gate_up,
+                .y = gate_up, .ldy = 2 * I});
+        if (rc == OK)
+            rc = sg_linear(&(sg_linear_args){
+                .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = I, .x = gate_up,
+                .ldx = 2 * I, .prologue = PRO_SILU_MUL, .w = ly->down, .y = h, .ldy = H, .accumulate = 1});
     }
     free(qkv);
     free(attn);
