@@ -380,10 +380,19 @@ def decode_attention(
             token included, already written to the cache) of each decode.
         kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` (see :func:`supports_cache`).
         block_table: ``[B, max_blocks_per_seq]`` int32 contiguous.
-        kv_segment_size: tokens per segment (one work item per decode, KV head and segment).
+        kv_segment_size: the most tokens per segment (one work item per decode, KV head and segment).
+            The C code splits segments below it when the contexts are short: it halves the segment,
+            down to 64 tokens, until there are two work items per thread, so that a few short decodes
+            still give every core work (one 300-token decode with 2 KV heads is 2 items at 512, 4 at
+            256). The partials merge by log-sum-exp, exact in real arithmetic for any split, so the
+            split changes only float32 summation order: two splits agree within 1e-6 in float32 and
+            within one ulp in bfloat16 (the segmented eager backend always uses ``kv_segment_size``).
+        scale: softmax scale, usually ``D ** -0.5``.
 
     Raises:
         ValueError: on a shape or dtype mismatch or a length outside ``[1, max_blocks * block_size]``.
+        RuntimeError: when the library refuses the call (out of memory, or a library built for
+            another layout of the argument struct).
     """
     dt = _check_cache(kv_cache)
     _, num_blocks, block_size, hkv, d = kv_cache.shape
