@@ -46,12 +46,15 @@ _F = ctypes.c_float
 
 
 def _sized(cls: type[ctypes.Structure]) -> type[ctypes.Structure]:
+    """Give an argument struct its ``SIZE``: its size in bytes, what its ``size`` field must hold."""
     cls.SIZE = ctypes.sizeof(cls)
     return cls
 
 
 @_sized
 class _LinearArgs(ctypes.Structure):
+    """``sg_linear_args`` (its fields are documented in the C source)."""
+
     _fields_ = [
         ("size", _L), ("dt", _I), ("ydt", _I), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L),
         ("prologue", _I), ("norm_w", _P), ("eps", _F), ("w", _P), ("bias", _P), ("y", _P), ("ldy", _L),
@@ -61,6 +64,8 @@ class _LinearArgs(ctypes.Structure):
 
 @_sized
 class _RopeArgs(ctypes.Structure):
+    """``sg_rope_args`` (its fields are documented in the C source)."""
+
     _fields_ = [
         ("size", _L), ("dt", _I), ("T", _L), ("H", _L), ("D", _L), ("x", _P), ("row_stride", _L),
         ("cos", _P), ("ssin", _P),
@@ -69,6 +74,8 @@ class _RopeArgs(ctypes.Structure):
 
 @_sized
 class _WriteKVArgs(ctypes.Structure):
+    """``sg_write_kv_args`` (its fields are documented in the C source)."""
+
     _fields_ = [
         ("size", _L), ("dt", _I), ("n", _L), ("width", _L), ("k", _P), ("ldk", _L), ("v", _P), ("ldv", _L),
         ("cache", _P), ("num_slots", _L), ("slot_mapping", _P),
@@ -77,6 +84,8 @@ class _WriteKVArgs(ctypes.Structure):
 
 @_sized
 class _DecodeAttentionArgs(ctypes.Structure):
+    """``sg_decode_attention_args`` (its fields are documented in the C source)."""
+
     _fields_ = [
         ("size", _L), ("dt", _I), ("n", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("q", _P), ("ldq", _L),
         ("out", _P), ("T", _L), ("rows", _P), ("cache", _P), ("num_blocks", _L), ("block_size", _L),
@@ -87,11 +96,15 @@ class _DecodeAttentionArgs(ctypes.Structure):
 
 @_sized
 class _Layer(ctypes.Structure):
+    """``sg_layer`` (its fields are documented in the C source)."""
+
     _fields_ = [(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")]
 
 
 @_sized
 class _DecodeStackArgs(ctypes.Structure):
+    """``sg_decode_stack_args`` (its fields are documented in the C source)."""
+
     _fields_ = [
         ("size", _L), ("layer_size", _L), ("dt", _I), ("num_layers", _L), ("layers", ctypes.POINTER(_Layer)),
         ("M", _L), ("H", _L), ("I", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("eps", _F), ("h", _P),
@@ -443,9 +456,10 @@ def _raise_decode_error(
 
 
 class DecodeStack:
-    """Every layer's weights as :func:`sg_decode_stack` reads them: pointers, built once per model,
-    dtype and cache shape (the weights are held, so they outlive the pointers). The KV caches are not
-    held: :meth:`run` takes the step's caches and points at them, so a dropped engine's caches are freed.
+    """Every layer's weights as ``sg_decode_stack`` reads them: pointers, built once per model (with the
+    step's argument struct, of which :meth:`run` sets only the step's own fields), dtype and cache shape
+    (the weights are held, so they outlive the pointers). The KV caches are not held: :meth:`run` takes
+    the step's caches and points at them, so a dropped engine's caches are freed.
 
     Args:
         layers: per layer ``(ln1 (H,), qkv (Nqkv, H), qkv_bias (Nqkv,) or None, o (H, Hq D), ln2 (H,),

@@ -299,15 +299,15 @@ int sg_linear(const sg_linear_args *a) {
 /* ---- RoPE and KV writes ------------------------------------------------------------------------- */
 
 typedef struct {
-    int64_t size;      /* sizeof(sg_rope_args) */
-    int32_t dt;        /* dtype of x */
-    int64_t T;         /* rows of x */
-    int64_t H;         /* heads to rotate: [0, H) of each row */
-    int64_t D;         /* head dim, even, <= 1024 */
-    void *x;           /* (T, >= H * D) rows, each contiguous */
+    int64_t size;       /* sizeof(sg_rope_args) */
+    int32_t dt;         /* dtype of x */
+    int64_t T;          /* rows of x */
+    int64_t H;          /* heads to rotate: [0, H) of each row */
+    int64_t D;          /* head dim, even, <= 1024 */
+    void *x;            /* (T, >= H * D) rows, each contiguous */
     int64_t row_stride; /* row stride of x, elements */
-    const float *cos;  /* (T, D) float32 contiguous */
-    const float *ssin; /* (T, D) float32 contiguous, sin with its first half negated */
+    const float *cos;   /* (T, D) float32 contiguous */
+    const float *ssin;  /* (T, D) float32 contiguous, sin with its first half negated */
 } sg_rope_args;
 
 /* Rotate heads [0, H) of each row of x in place: x*cos + roll(x, D/2)*ssin with the tables rounded
