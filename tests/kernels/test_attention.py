@@ -1,4 +1,5 @@
-"""Segmented kernel == reference backend == plain SDPA on contiguous K/V, over random shapes and layouts.
+"""Segmented kernel == reference backend == plain SDPA on contiguous K/V, over random shapes and
+layouts; the kernel runs its plan (``segserve.attention.plan``) exactly.
 
 This file pins the eager PyTorch form of the kernel (its call structure included): the compiled CPU
 kernels are switched off for every test here and tested against the same oracle in
@@ -16,9 +17,10 @@ import pytest
 import torch
 from kernel_cases import Case, make_case, sdpa_oracle
 
-from segserve.attention import segmented
+from segserve.attention import plan, segmented
 from segserve.attention.backends import get_attention_backend
-from segserve.attention.kv_store import gather_kv, num_kv_segments, write_kv
+from segserve.attention.kv_store import gather_kv, write_kv
+from segserve.attention.plan import num_kv_segments
 from segserve.attention.reference import ReferenceAttentionBackend
 from segserve.attention.segmented import (
     SegmentedAttentionBackend,
@@ -255,20 +257,6 @@ def test_merge_partials_equals_attention_over_the_union() -> None:
     torch.testing.assert_close(acc_lse, lse_all, **FP32_TOL)
 
 
-@pytest.mark.parametrize(
-    "prior,seg,expected", [(3584, 1024, (3, 512)), (4096, 1024, (4, 0)), (0, 512, (0, 0)), (1, 4096, (0, 1))]
-)
-def test_num_kv_segments(prior: int, seg: int, expected: tuple[int, int]) -> None:
-    assert num_kv_segments(prior, seg) == expected
-
-
-def test_num_kv_segments_rejects_bad_input() -> None:
-    with pytest.raises(ValueError):
-        num_kv_segments(-1, 512)
-    with pytest.raises(ValueError):
-        num_kv_segments(10, 0)
-
-
 def test_write_kv_writes_real_rows_only() -> None:
     cache = torch.zeros(2, 4, 2, 1, 3)
     k = torch.arange(1.0, 13.0).view(4, 1, 3)  # rows 2 and 3 are padding
@@ -326,3 +314,46 @@ def test_consecutive_block_ids_read_the_cache_in_place(qlens, priors):
     ref = get_attention_backend("reference").forward(q, k, v, cache.clone(), md, d**-0.5)
     got = get_attention_backend("segmented").forward(q, k, v, cache.clone(), md, d**-0.5)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+# --- the kernel runs the plan ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("consecutive", [False, True], ids=["shuffled", "consecutive"])
+def test_backend_runs_the_plan_calls_and_copies_its_gathered_tokens(monkeypatch, consecutive) -> None:
+    """Decodes with walks 5001, 2048, 2001, 101 (seg 1024, block 16) and a chunk over a 300-token
+    prior: the backend's decode calls are exactly ``plan.decode_calls`` and its copies add up to
+    ``plan.gathered_tokens``."""
+    ran, copied = [], []
+    real_call, real_copy = SegmentedAttentionBackend._decode_call, SegmentedAttentionBackend._copy_blocks
+
+    def spy_call(self, qd, kv_cache, call, scale):
+        ran.append(call.plan)
+        return real_call(self, qd, kv_cache, call, scale)
+
+    def spy_copy(self, kv_cache, kv_block_ids):
+        copied.append(kv_block_ids.shape[0] // 2 * kv_cache.shape[2])
+        return real_copy(self, kv_cache, kv_block_ids)
+
+    monkeypatch.setattr(SegmentedAttentionBackend, "_decode_call", spy_call)
+    monkeypatch.setattr(SegmentedAttentionBackend, "_copy_blocks", spy_copy)
+    query_lens, priors = [1, 1, 5, 1, 1], [5000, 100, 300, 2000, 2047]
+    case = make_case(query_lens, priors, block_size=16, seg=1024, heads=(4, 1), head_dim=32, seed=8,
+                     consecutive_blocks=consecutive)
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                              case.scale)
+    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+    rows = case.metadata.block_table.tolist()
+    order, walks = plan.decode_order(query_lens, priors)
+    assert (order, walks) == ([0, 4, 3, 1], [5001, 2048, 2001, 101])
+    expected = plan.decode_calls(walks, [rows[i] for i in order], 16, 1024)
+    assert ran == expected
+    assert [(c.start, c.first, c.last, c.blocks) for c in ran] == [
+        (0, 0, 4, 64), (1024, 0, 3, 64), (2048, 0, 1, 64), (3072, 0, 1, 64), (4096, 0, 1, 57)
+    ]
+    gathered = plan.gathered_tokens(query_lens, priors, rows, 16, 1024)
+    # Shuffled: every call copies (4 + 3 + 1 + 1 decodes x 64 blocks, 1 x 57) and the chunk its 19
+    # prior blocks, 16 tokens each. Consecutive: each request's blocks follow the previous one's,
+    # so everything is read in place except the first segment of the 4 decodes (0 -> 4 -> 3 -> 1 is
+    # not the allocation order 0, 1, 3, 4) and the second of 3.
+    assert sum(copied) == gathered == (10432 if not consecutive else (4 * 64 + 3 * 64) * 16)
