@@ -1,5 +1,5 @@
-"""Segmented kernel == reference backend == plain SDPA on contiguous K/V, over random shapes and
-layouts; the kernel runs its plan (``segserve.attention.plan``) exactly.
+"""Segmented kernel == reference backend == plain SDPA on contiguous K/V == the seed's segment walk
+(``segment_walk``, a second oracle), over random shapes and layouts; the kernel runs its plan exactly.
 
 This file pins the eager PyTorch form of the kernel (its call structure included): the compiled CPU
 kernels are switched off for every test here and tested against the same oracle in
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import Case, make_case, sdpa_oracle
+from kernel_cases import Case, make_case, sdpa_oracle, walk_oracle
 
-from segserve.attention import plan, segmented
+from segserve.attention import plan, segment_walk, segmented
 from segserve.attention.backends import get_attention_backend
 from segserve.attention.kv_store import gather_kv, write_kv
 from segserve.attention.plan import num_kv_segments
@@ -316,6 +316,47 @@ def test_consecutive_block_ids_read_the_cache_in_place(qlens, priors):
     assert (got - ref).abs().max().item() < 1e-5
 
 
+# --- the seed's segment walk as a second oracle ---------------------------------------------------
+
+
+@pytest.mark.parametrize("seg,block_size", [(512, 16), (1024, 128)])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1), (4, 4)], ids=["gqa-3", "mqa", "mha"])
+def test_segment_walk_agrees_with_sdpa_and_the_segmented_backend(seg, block_size, heads) -> None:
+    """Priors 0, an exact multiple of the segment, a partial last segment, block-unaligned and short
+    (``prior_kinds``), each as a decode and a chunk; FP32_TOL (observed <= 1e-6)."""
+    query_lens, priors = mixed_batch(seg, block_size, seed=seg + heads[1])
+    assert {0, 2 * seg, seg + seg // 2} <= set(priors)
+    case = make_case(query_lens, priors, block_size=block_size, seg=seg, heads=heads, head_dim=32, pad=2,
+                     seed=block_size)
+    walk = walk_oracle(case, case.cache)
+    torch.testing.assert_close(walk, sdpa_oracle(case, case.cache), **FP32_TOL)
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                              case.scale)
+    torch.testing.assert_close(out, walk, **FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    "prior,walked",
+    [
+        (3584, [(0, 1024), (1024, 1024), (2048, 1024), (3072, 512)]),  # seed 000: 3 full + 512 valid
+        (4096, [(0, 1024), (1024, 1024), (2048, 1024), (3072, 1024)]),  # exact multiple: no partial
+        (0, []),  # nothing cached: the causal part alone
+    ],
+)
+def test_segment_walk_reads_the_seed_segments(monkeypatch, prior, walked) -> None:
+    reads = []
+
+    def spy(kv_cache, block_row, start, num_tokens):
+        reads.append((start, num_tokens))
+        return gather_kv(kv_cache, block_row, start, num_tokens)
+
+    monkeypatch.setattr(segment_walk, "gather_kv", spy)
+    case = make_case([4], [prior], block_size=128, seg=1024, heads=(4, 1), head_dim=32, seed=prior)
+    out = walk_oracle(case, case.cache)
+    assert reads == walked
+    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+
+
 # --- the kernel runs the plan ----------------------------------------------------------------------
 
 
@@ -342,7 +383,7 @@ def test_backend_runs_the_plan_calls_and_copies_its_gathered_tokens(monkeypatch,
                      consecutive_blocks=consecutive)
     out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
                                               case.scale)
-    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+    torch.testing.assert_close(out, walk_oracle(case, case.cache), **FP32_TOL)
     rows = case.metadata.block_table.tolist()
     order, walks = plan.decode_order(query_lens, priors)
     assert (order, walks) == ([0, 4, 3, 1], [5001, 2048, 2001, 101])
