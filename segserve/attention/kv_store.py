@@ -71,25 +71,6 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slots, v[:num_real].to(kv_cache.dtype))
 
 
-def num_kv_segments(prior_tokens: int, kv_segment_size: int) -> tuple[int, int]:
-    """Split a prior of ``prior_tokens`` cached tokens into ``kv_segment_size`` segments.
-
-    Seed 000, "Partial KV Segment Handling": 3584 prior tokens in segments of 1024 are 3 full segments
-    and a partial one holding 512 valid tokens (the kernel masks the rest of it).
-
-    Returns:
-        (full segments, valid tokens in the trailing partial segment — 0 when there is none).
-
-    Raises:
-        ValueError: when ``prior_tokens < 0`` or ``kv_segment_size < 1``.
-    """
-    if prior_tokens < 0 or kv_segment_size < 1:
-        raise ValueError(
-            f"need prior_tokens >= 0 and kv_segment_size >= 1, got {prior_tokens}, {kv_segment_size}"
-        )
-    return prior_tokens // kv_segment_size, prior_tokens % kv_segment_size
-
-
 def gather_kv(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, start: int, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

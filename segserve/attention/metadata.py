@@ -15,8 +15,11 @@ class AttentionMetadata:
 
     The step's active tokens are laid out request by request (B requests, T = ``num_actual_tokens``
     real rows, then padding rows up to ``num_padded_tokens``). Request ``i`` owns rows
-    ``query_start_loc[i] : query_start_loc[i + 1]``; those are its tokens at absolute positions
-    ``prior_tokens[i] + 0 .. prior_tokens[i] + query_len - 1``.
+    ``query_start_loc_cpu[i] : query_start_loc_cpu[i + 1]``; those are its tokens at absolute
+    positions ``prior_tokens_cpu[i] + 0 .. prior_tokens_cpu[i] + query_len - 1``.
+
+    Only what a kernel reads is here: the per-request counts as Python tuples (plans loop over them
+    without ``.item()`` syncs), tensors for what the C kernels and the K/V writes index.
 
     Attributes:
         num_actual_tokens: T, real active tokens (padding rows are >= T and write nowhere).
@@ -24,28 +27,23 @@ class AttentionMetadata:
         slot_mapping: ``[T]`` int64, cache slot (``block_id * block_size + offset``) of each real row.
         block_table: ``[B, max_blocks_per_seq]`` int32, each request's block ids; unused columns 0
             (the null block). ``max_blocks_per_seq = cdiv(max_model_len, block_size)``.
-        query_start_loc: ``[B + 1]`` int32, row offsets of each request in the batch.
-        prior_tokens: ``[B, 1]`` int32, tokens of each request already in the cache before this
-            step (prefix hits + earlier chunks + earlier decodes) — the seed's ``cached_seq_len``,
-            per request instead of the batch maximum.
-        seq_lens: ``[B]`` int32, ``prior_tokens + query_len``.
+        seq_lens: ``[B]`` int32, ``prior + query_len`` of each request (the compiled decode step's
+            walk lengths).
         max_query_len: longest query in the batch (tokens).
-        max_prior_tokens: longest prior in the batch (tokens).
         block_size: tokens per block.
         kv_segment_size: tokens per prior-KV segment the segmented kernel walks.
-        query_start_loc_cpu, prior_tokens_cpu: the same numbers as Python lists, so kernels can
-            loop without ``.item()`` syncs.
+        query_start_loc_cpu: ``B + 1`` row offsets of each request in the batch.
+        prior_tokens_cpu: ``B`` tokens of each request already in the cache before this step
+            (prefix hits + earlier chunks + earlier decodes): the seed's ``cached_seq_len`` /
+            ``prior_tokens``, per request instead of the batch maximum.
     """
 
     num_actual_tokens: int
     num_padded_tokens: int
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
-    query_start_loc: torch.Tensor
-    prior_tokens: torch.Tensor
     seq_lens: torch.Tensor
     max_query_len: int
-    max_prior_tokens: int
     block_size: int
     kv_segment_size: int
     query_start_loc_cpu: tuple[int, ...]
@@ -107,17 +105,13 @@ def build_attention_metadata(
     req = np.repeat(np.arange(num_reqs), q)  # (T,) request of each row
     pos = np.arange(total) - np.repeat(qsl[:-1] - p, q)  # (T,) absolute position of each row
     slots = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
-    qsl = qsl.astype(np.int32)
     return AttentionMetadata(
         num_actual_tokens=total,
         num_padded_tokens=total if num_padded_tokens is None else num_padded_tokens,
         slot_mapping=torch.from_numpy(slots),
         block_table=torch.from_numpy(table),
-        query_start_loc=torch.from_numpy(qsl),
-        prior_tokens=torch.from_numpy(p.astype(np.int32)).view(num_reqs, 1),
         seq_lens=torch.from_numpy((p + q).astype(np.int32)),
         max_query_len=max(query_lens, default=0),
-        max_prior_tokens=max(prior_tokens, default=0),
         block_size=block_size,
         kv_segment_size=kv_segment_size,
         query_start_loc_cpu=tuple(qsl.tolist()),

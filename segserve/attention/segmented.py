@@ -6,7 +6,9 @@ a normalised partial output and its log-sum-exp; pieces combine by log-sum-exp r
 form of the online softmax (Dao et al., FlashAttention, 2022; "Flash-Decoding", 2023).
 
 Beyond the seed's temporary constraints: any query length, any prior length (the last segment may end
-mid-block), one prior per request, any block size dividing the segment size.
+mid-block), one prior per request, any block size dividing the segment size. Which segments each call
+covers, and which blocks it reads in place, is the torch-free plan in ``segserve.attention.plan``; this
+module builds the plan's tensors once per step and runs it.
 
 Two paths:
 
@@ -40,15 +42,22 @@ import torch
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.metadata import AttentionMetadata
+from segserve.attention.plan import (
+    MAX_GATHER_TOKENS,
+    MAX_PARTIAL_ELEMENTS,
+    DecodeCall,
+    chunk_batches,
+    consecutive_run,
+    decode_order,
+    num_kv_segments,
+    segments_per_call,
+)
+from segserve.attention.plan import decode_calls as plan_decode_calls
 from segserve.kernels import cpu as cpu_kernels
 
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+__all__ = ["MAX_GATHER_TOKENS", "MAX_PARTIAL_ELEMENTS", "SegmentedAttentionBackend", "build_step_plan"]
 
-# Bounds on one batched call: tokens gathered (about 25 MB per K or V in float32 for 3 KV heads of
-# dim 64), and float32 elements of the per-segment partial outputs (S x Hq x Tq x D) a chunk holds
-# before they are combined. Large enough to amortise per-call overhead, small enough to stay in memory.
-MAX_GATHER_TOKENS = 32768
-MAX_PARTIAL_ELEMENTS = 1 << 23
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def attention_with_lse(
@@ -146,21 +155,16 @@ def combine_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
 
 @dataclass(frozen=True)
 class _DecodeCall:
-    """One batched gather + attention: sorted decodes ``[first, last)`` over the segment at ``start``.
+    """A plan call (:class:`~segserve.attention.plan.DecodeCall`) with its tensors.
 
-    ``kv_rows`` ``[2 * (last - first) * blocks]`` are the cache rows to gather (:func:`kv_rows` of the
-    blocks, request-major); ``run`` is the first block id when those blocks are consecutive ids (read
-    through a view, no gather), else None. ``mask`` is the additive
-    ``[last - first, 1, 1, blocks * block_size]`` mask, None when every slot is valid or when the call
-    has one decode, whose K/V are instead cut to its ``tokens`` valid slots (no mask to apply).
+    ``kv_rows`` ``[2 * (last - first) * blocks]`` are the cache rows to copy (:func:`kv_rows` of the
+    blocks, request-major), None when ``plan.run`` says they are read in place. ``mask`` is the
+    additive ``[last - first, 1, 1, blocks * block_size]`` mask, None when every slot is valid or when
+    the call has one decode, whose K/V are instead cut to its ``tokens`` valid slots (no mask to apply).
     """
 
-    start: int
-    first: int
-    last: int
-    blocks: int
-    kv_rows: torch.Tensor
-    run: int | None
+    plan: DecodeCall
+    kv_rows: torch.Tensor | None
     mask: torch.Tensor | None
     tokens: int
 
@@ -292,9 +296,8 @@ class SegmentedAttentionBackend:
         # (1, Hq, Tq, ...) with Hq = (Hkv, G) is the folded (1, Hkv, G*Tq, ...) layout as it stands.
         running = (o.reshape(1, hkv, -1, d), lse.reshape(1, hkv, -1))  # (1, Hkv, G*Tq, D), (1, Hkv, G*Tq)
         q_folded = qh.view(1, hkv, -1, d)  # (1, Hkv, G*Tq, D)
-        per_call = max(1, min(self.max_gather_tokens // seg, self.max_partial_elements // qh.numel()))
-        for start in range(0, prior, per_call * seg):
-            end = min(prior, start + per_call * seg)
+        per_call = segments_per_call(seg, qh.numel(), self.max_gather_tokens, self.max_partial_elements)
+        for start, end in chunk_batches(prior, seg, per_call):
             running = combine_partials(
                 [running, *self._segment_partials(q_folded, kv_cache, block_row, start, end, seg, scale)]
             )
@@ -315,10 +318,10 @@ class SegmentedAttentionBackend:
         block_size = kv_cache.shape[2]
         first = start // block_size
         ids = block_row[first : first - (-(end - start) // block_size)]
-        kv = self._gather_blocks(kv_cache, kv_rows(ids, kv_cache.shape[1]))
+        kv = self._gather_blocks(kv_cache, ids)
         kv = kv.flatten(1, 2)  # (2, n_blocks * block_size, Hkv, D)
         hkv, d = kv.shape[2:]
-        full, rest = divmod(end - start, seg)
+        full, rest = num_kv_segments(end - start, seg)
         parts = []
         if full:
             ks, vs = (kv[i, : full * seg].view(full, seg, hkv, d).transpose(1, 2) for i in (0, 1))
@@ -328,15 +331,15 @@ class SegmentedAttentionBackend:
             parts.append(attention_with_lse(q_folded, ks, vs, scale))  # (1, Hkv, rest, D) keys
         return parts
 
-    def _gather_blocks(self, kv_cache: torch.Tensor, kv_block_ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``kv_block_ids`` (see :func:`kv_rows`) of the cache seen as ``[2 * num_blocks, ...]``,
-        as ``[2, n_blocks, block_size, Hkv, D]`` (K then V): a view of the cache when the blocks are
-        consecutive ids, else a copy (:meth:`_copy_blocks`)."""
-        n = kv_block_ids.shape[0] // 2
-        run = _run_start(kv_block_ids[:n].tolist())
+    def _gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of blocks ``block_ids`` ``(n_blocks,)`` as ``[2, n_blocks, block_size, Hkv, D]``: a
+        view of the cache when they are consecutive ids (checked per layer, one ``tolist``), else a
+        copy (:meth:`_copy_blocks`)."""
+        n = block_ids.shape[0]
+        run = consecutive_run([block_ids.tolist()], 0, n)
         if run is not None:  # consecutive block ids: the cache itself is the gathered tensor
             return kv_cache[:, run : run + n]  # (2, n_blocks, block_size, Hkv, D) view, no copy
-        return self._copy_blocks(kv_cache, kv_block_ids)
+        return self._copy_blocks(kv_cache, kv_rows(block_ids, kv_cache.shape[1]))
 
     def _copy_blocks(self, kv_cache: torch.Tensor, kv_block_ids: torch.Tensor) -> torch.Tensor:
         """Copy rows ``kv_block_ids`` into a reused workspace -> ``[2, n_blocks, block_size, Hkv, D]``.
@@ -377,8 +380,8 @@ class SegmentedAttentionBackend:
         acc_lse = torch.empty(n, hkv, hq // hkv, dtype=torch.float32, device=q.device)
         for call in calls:
             o, lse = self._decode_call(qd, kv_cache, call, scale)
-            part = slice(call.first, call.last)
-            if call.start == 0:  # the first segment covers every decode: it opens the walk
+            part = slice(call.plan.first, call.plan.last)
+            if call.plan.start == 0:  # the first segment covers every decode: it opens the walk
                 result[part], acc_lse[part] = o, lse
             else:
                 merge_partials(result[part], acc_lse[part], o, lse)
@@ -389,16 +392,17 @@ class SegmentedAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial (output ``[n_call, Hkv, G, D]``, lse ``[n_call, Hkv, G]``) of one decode call."""
         ks, vs = self._gather_decode_call(kv_cache, call)
-        return attention_with_lse(qd[call.first : call.last], ks, vs, scale, mask=call.mask)
+        return attention_with_lse(qd[call.plan.first : call.plan.last], ks, vs, scale, mask=call.mask)
 
     def _gather_decode_call(
         self, kv_cache: torch.Tensor, call: _DecodeCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one decode call as ``[n_call, Hkv, blocks * block_size, D]`` views of the workspace."""
         hkv, d = kv_cache.shape[3:]
-        n_call = call.last - call.first
-        if call.run is not None:  # consecutive blocks (known from the plan): the cache itself, no copy
-            kv = kv_cache[:, call.run : call.run + n_call * call.blocks]
+        c = call.plan
+        n_call = c.last - c.first
+        if c.run is not None:  # consecutive blocks (known from the plan): the cache itself, no copy
+            kv = kv_cache[:, c.run : c.run + n_call * c.blocks]
         else:
             kv = self._copy_blocks(kv_cache, call.kv_rows)
         kv = kv.reshape(2, n_call, -1, hkv, d)[:, :, : call.tokens]  # (2, n, L, Hkv, D)
@@ -418,17 +422,6 @@ class SegmentedAttentionBackend:
         return self._plan
 
 
-def _run_start(ids: list[int]) -> int | None:
-    """First id when ``ids`` are consecutive ascending ids, else None.
-
-    The pool hands out blocks in free-queue order, so a request that allocated its blocks without
-    others interleaving (any batch-1 request, most prefill chunks) holds runs of consecutive ids;
-    reading those through a view skips the copy that dominates long-context decode steps. Decode
-    plans check once per step; a chunk's prior blocks are checked per layer (one ``tolist``).
-    """
-    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
-
-
 def kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """Rows of ``kv_cache.flatten(0, 1)`` holding the K blocks, then the V blocks, of ``block_ids``."""
     block_ids = block_ids.long()
@@ -446,54 +439,35 @@ def build_step_plan(
     Raises:
         ValueError: when ``kv_segment_size`` is not a positive multiple of ``block_size``.
     """
-    seg, block_size = metadata.kv_segment_size, kv_cache.shape[2]
+    seg, (num_blocks, block_size) = metadata.kv_segment_size, kv_cache.shape[1:3]
     if seg < block_size or seg % block_size:
         raise ValueError(f"kv_segment_size={seg} must be a positive multiple of block_size={block_size}")
-    qlens, priors = metadata.query_lens_cpu, metadata.prior_tokens_cpu
-    decodes = sorted((i for i, n in enumerate(qlens) if n == 1), key=lambda i: -priors[i])
+    qlens = metadata.query_lens_cpu
+    decodes, walk = decode_order(qlens, metadata.prior_tokens_cpu)
     device = metadata.block_table.device
     rows = torch.tensor([metadata.query_start_loc_cpu[i] for i in decodes], dtype=torch.long, device=device)
     reqs = torch.tensor(decodes, dtype=torch.long, device=device)
-    walk = [priors[i] + 1 for i in decodes]  # a decode's own token is already cached: walk it too
     calls: list[_DecodeCall] = []
     if decodes and decode_calls:
-        table = metadata.block_table.index_select(0, reqs)
-        for start in range(0, walk[0], seg):
-            calls += _segment_calls(table, walk, start, seg, kv_cache, max_gather_tokens)
+        # Only the columns the longest walk reaches: one tolist for all the plan's in-place checks.
+        table = metadata.block_table.index_select(0, reqs)[:, : -(-walk[0] // block_size)].long()
+        for c in plan_decode_calls(walk, table.tolist(), block_size, seg, max_gather_tokens):
+            kv = None
+            if c.run is None:
+                ids = table[c.first : c.last, c.first_block : c.first_block + c.blocks].reshape(-1)
+                kv = kv_rows(ids, num_blocks)
+            if c.last - c.first == 1:  # one decode: cut its K/V to the valid slots instead of masking
+                mask, tokens = None, c.valid[0]
+            else:
+                width = c.blocks * block_size
+                mask, tokens = _tail_mask(c.valid, width, kv_cache.dtype, kv_cache.device), width
+            calls.append(_DecodeCall(c, kv, mask, tokens))
     chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
     fill = not chunks and len(decodes) == metadata.num_padded_tokens and decodes == sorted(decodes)
     return _StepPlan(
         decode_rows=rows, decode_reqs=reqs, decode_lens=torch.tensor(walk, dtype=torch.long, device=device),
         decode_calls=tuple(calls), chunks=chunks, decodes_fill_step=fill,
     )
-
-
-def _segment_calls(
-    table: torch.Tensor,
-    lengths: list[int],
-    start: int,
-    seg: int,
-    kv_cache: torch.Tensor,
-    max_gather_tokens: int,
-) -> list[_DecodeCall]:
-    """Decode calls for the segment at token ``start``; ``lengths`` (cached tokens to walk per decode)
-    sorted longest first, ``table`` rows alike."""
-    num_blocks, block_size = kv_cache.shape[1:3]
-    valid = [min(seg, n - start) for n in lengths if n > start]  # a prefix, as lengths are sorted
-    blocks = -(-valid[0] // block_size)
-    width = blocks * block_size
-    per_call = max(1, max_gather_tokens // width)
-    calls = []
-    for first in range(0, len(valid), per_call):
-        last = min(first + per_call, len(valid))
-        ids = table[first:last, start // block_size : start // block_size + blocks].reshape(-1)
-        run = _run_start(ids.tolist())
-        if last - first == 1:  # one decode: cut its K/V to the valid slots instead of masking
-            mask, tokens = None, valid[first]
-        else:
-            mask, tokens = _tail_mask(valid[first:last], width, kv_cache.dtype, kv_cache.device), width
-        calls.append(_DecodeCall(start, first, last, blocks, kv_rows(ids, num_blocks), run, mask, tokens))
-    return calls
 
 
 def _tail_mask(valid: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from segserve.attention.plan import gathered_tokens
 from segserve.config import EngineConfig, cdiv
 from segserve.core.request import Request
 from segserve.core.scheduler import Scheduler
@@ -116,14 +117,9 @@ def composition(scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool
     return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded, gathered)
 
 
-# The segmented kernel's bound on one batched decode gather (``attention.segmented.MAX_GATHER_TOKENS``;
-# not imported, as that module needs torch).
-_MAX_GATHER_TOKENS = 32768
-
-
 class _BlockIds(Sequence[int]):
     """A request's block ids, read from its block objects only where sliced (a step's rows are
-    mostly never looked at: the in-place check stops at the first break)."""
+    mostly never looked at: the plan's in-place check stops at the first break)."""
 
     def __init__(self, blocks: list) -> None:
         self.blocks = blocks
@@ -137,23 +133,6 @@ class _BlockIds(Sequence[int]):
         return self.blocks[index].block_id
 
 
-def _in_place(rows: Sequence[Sequence[int]], first: int, blocks: int) -> bool:
-    """True when the blocks ``[first, first + blocks)`` of ``rows``, request-major (each row padded
-    with the null block 0), are consecutive ids: the kernel reads them in place. Stops at the first
-    break, which under serving traffic is almost always within the first two rows."""
-    expect = None
-    for row in rows:
-        part = list(row[first : first + blocks])
-        if len(part) < blocks:
-            part = part + [0] * (blocks - len(part))
-        if expect is None:
-            expect = part[0]
-        if part[0] != expect or part != list(range(expect, expect + blocks)):
-            return False
-        expect += blocks
-    return True
-
-
 def segmented_gather_tokens(
     slices: Sequence[RequestSlice],
     block_rows: Sequence[Sequence[int]],
@@ -161,12 +140,9 @@ def segmented_gather_tokens(
     seg: int,
     decodes_gather: bool = True,
 ) -> int:
-    """Cached tokens the segmented attention kernel copies per layer in a step with these slices.
-
-    The kernel reads a run of consecutive block ids in place and gathers anything else (see
-    ``segserve.attention.segmented``): decodes, longest first, in one call per segment over the
-    request-major ids of every decode reaching it; a prefill chunk over its prior blocks. This walks
-    the same plan over the real block ids, so the step-time model can charge the copies.
+    """Cached tokens the segmented attention kernel copies per layer in a step with these slices:
+    the kernel's own plan (``segserve.attention.plan.gathered_tokens``) over the real block ids, so
+    the step-time model can charge the copies.
 
     Args:
         slices: the step's requests in scheduling order.
@@ -178,27 +154,9 @@ def segmented_gather_tokens(
     Returns:
         Gathered tokens (whole blocks) per layer.
     """
-    gathered = 0
-    decodes = sorted(
-        ((s.prior + 1, row) for s, row in zip(slices, block_rows, strict=True) if s.chunk == 1),
-        key=lambda d: -d[0],
+    return gathered_tokens(
+        [s.chunk for s in slices], [s.prior for s in slices], block_rows, block_size, seg, decodes_gather
     )
-    if decodes and decodes_gather:
-        for start in range(0, decodes[0][0], seg):
-            reach = [row for walk, row in decodes if walk > start]
-            blocks = cdiv(min(seg, decodes[0][0] - start), block_size)
-            first = start // block_size
-            per_call = max(1, _MAX_GATHER_TOKENS // (blocks * block_size))
-            for i in range(0, len(reach), per_call):
-                group = reach[i : i + per_call]
-                if not _in_place(group, first, blocks):
-                    gathered += len(group) * blocks * block_size
-    for s, row in zip(slices, block_rows, strict=True):
-        if s.chunk > 1 and s.prior > 0:
-            blocks = cdiv(s.prior, block_size)
-            if not _in_place([row], 0, blocks):
-                gathered += blocks * block_size
-    return gathered
 
 
 def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from segserve.attention.metadata import AttentionMetadata, build_attention_metadata
+from segserve.attention.segment_walk import segment_walk
 
 torch.set_num_threads(2)
 
@@ -101,4 +102,19 @@ def sdpa_oracle(case: Case, cache_before: torch.Tensor) -> torch.Tensor:
         visible = torch.ones(r1 - r0, prior + r1 - r0, dtype=torch.bool).tril(diagonal=prior)
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=case.scale)
         out[r0:r1] = o[0].transpose(0, 1)
+    return out
+
+
+def walk_oracle(case: Case, cache: torch.Tensor) -> torch.Tensor:
+    """:func:`segment_walk` per request over ``cache`` (which must hold every prior token; the step's
+    own K/V come from ``case``): ``[T_padded, Hq, D]`` float32 with zero padding rows."""
+    md = case.metadata
+    out = torch.zeros(case.q.shape, dtype=torch.float32)
+    qsl = md.query_start_loc_cpu
+    for i, prior in enumerate(md.prior_tokens_cpu):
+        r0, r1 = qsl[i], qsl[i + 1]
+        out[r0:r1] = segment_walk(
+            case.q[r0:r1], case.k[r0:r1], case.v[r0:r1], cache, md.block_table[i], prior,
+            md.kv_segment_size, case.scale,
+        )
     return out

@@ -1,4 +1,5 @@
-"""Segmented kernel == reference backend == plain SDPA on contiguous K/V, over random shapes and layouts.
+"""Segmented kernel == reference backend == plain SDPA on contiguous K/V == the seed's segment walk
+(``segment_walk``, a second oracle), over random shapes and layouts; the kernel runs its plan exactly.
 
 This file pins the eager PyTorch form of the kernel (its call structure included): the compiled CPU
 kernels are switched off for every test here and tested against the same oracle in
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import Case, make_case, sdpa_oracle
+from kernel_cases import Case, make_case, sdpa_oracle, walk_oracle
 
-from segserve.attention import segmented
+from segserve.attention import plan, segment_walk, segmented
 from segserve.attention.backends import get_attention_backend
-from segserve.attention.kv_store import gather_kv, num_kv_segments, write_kv
+from segserve.attention.kv_store import gather_kv, write_kv
+from segserve.attention.plan import num_kv_segments
 from segserve.attention.reference import ReferenceAttentionBackend
 from segserve.attention.segmented import (
     SegmentedAttentionBackend,
@@ -255,20 +257,6 @@ def test_merge_partials_equals_attention_over_the_union() -> None:
     torch.testing.assert_close(acc_lse, lse_all, **FP32_TOL)
 
 
-@pytest.mark.parametrize(
-    "prior,seg,expected", [(3584, 1024, (3, 512)), (4096, 1024, (4, 0)), (0, 512, (0, 0)), (1, 4096, (0, 1))]
-)
-def test_num_kv_segments(prior: int, seg: int, expected: tuple[int, int]) -> None:
-    assert num_kv_segments(prior, seg) == expected
-
-
-def test_num_kv_segments_rejects_bad_input() -> None:
-    with pytest.raises(ValueError):
-        num_kv_segments(-1, 512)
-    with pytest.raises(ValueError):
-        num_kv_segments(10, 0)
-
-
 def test_write_kv_writes_real_rows_only() -> None:
     cache = torch.zeros(2, 4, 2, 1, 3)
     k = torch.arange(1.0, 13.0).view(4, 1, 3)  # rows 2 and 3 are padding
@@ -326,3 +314,87 @@ def test_consecutive_block_ids_read_the_cache_in_place(qlens, priors):
     ref = get_attention_backend("reference").forward(q, k, v, cache.clone(), md, d**-0.5)
     got = get_attention_backend("segmented").forward(q, k, v, cache.clone(), md, d**-0.5)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+# --- the seed's segment walk as a second oracle ---------------------------------------------------
+
+
+@pytest.mark.parametrize("seg,block_size", [(512, 16), (1024, 128)])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1), (4, 4)], ids=["gqa-3", "mqa", "mha"])
+def test_segment_walk_agrees_with_sdpa_and_the_segmented_backend(seg, block_size, heads) -> None:
+    """Priors 0, an exact multiple of the segment, a partial last segment, block-unaligned and short
+    (``prior_kinds``), each as a decode and a chunk; FP32_TOL (observed <= 1e-6)."""
+    query_lens, priors = mixed_batch(seg, block_size, seed=seg + heads[1])
+    assert {0, 2 * seg, seg + seg // 2} <= set(priors)
+    case = make_case(query_lens, priors, block_size=block_size, seg=seg, heads=heads, head_dim=32, pad=2,
+                     seed=block_size)
+    walk = walk_oracle(case, case.cache)
+    torch.testing.assert_close(walk, sdpa_oracle(case, case.cache), **FP32_TOL)
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                              case.scale)
+    torch.testing.assert_close(out, walk, **FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    "prior,walked",
+    [
+        (3584, [(0, 1024), (1024, 1024), (2048, 1024), (3072, 512)]),  # seed 000: 3 full + 512 valid
+        (4096, [(0, 1024), (1024, 1024), (2048, 1024), (3072, 1024)]),  # exact multiple: no partial
+        (0, []),  # nothing cached: the causal part alone
+    ],
+)
+def test_segment_walk_reads_the_seed_segments(monkeypatch, prior, walked) -> None:
+    reads = []
+
+    def spy(kv_cache, block_row, start, num_tokens):
+        reads.append((start, num_tokens))
+        return gather_kv(kv_cache, block_row, start, num_tokens)
+
+    monkeypatch.setattr(segment_walk, "gather_kv", spy)
+    case = make_case([4], [prior], block_size=128, seg=1024, heads=(4, 1), head_dim=32, seed=prior)
+    out = walk_oracle(case, case.cache)
+    assert reads == walked
+    torch.testing.assert_close(out, sdpa_oracle(case, case.cache), **FP32_TOL)
+
+
+# --- the kernel runs the plan ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("consecutive", [False, True], ids=["shuffled", "consecutive"])
+def test_backend_runs_the_plan_calls_and_copies_its_gathered_tokens(monkeypatch, consecutive) -> None:
+    """Decodes with walks 5001, 2048, 2001, 101 (seg 1024, block 16) and a chunk over a 300-token
+    prior: the backend's decode calls are exactly ``plan.decode_calls`` and its copies add up to
+    ``plan.gathered_tokens``."""
+    ran, copied = [], []
+    real_call, real_copy = SegmentedAttentionBackend._decode_call, SegmentedAttentionBackend._copy_blocks
+
+    def spy_call(self, qd, kv_cache, call, scale):
+        ran.append(call.plan)
+        return real_call(self, qd, kv_cache, call, scale)
+
+    def spy_copy(self, kv_cache, kv_block_ids):
+        copied.append(kv_block_ids.shape[0] // 2 * kv_cache.shape[2])
+        return real_copy(self, kv_cache, kv_block_ids)
+
+    monkeypatch.setattr(SegmentedAttentionBackend, "_decode_call", spy_call)
+    monkeypatch.setattr(SegmentedAttentionBackend, "_copy_blocks", spy_copy)
+    query_lens, priors = [1, 1, 5, 1, 1], [5000, 100, 300, 2000, 2047]
+    case = make_case(query_lens, priors, block_size=16, seg=1024, heads=(4, 1), head_dim=32, seed=8,
+                     consecutive_blocks=consecutive)
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
+                                              case.scale)
+    torch.testing.assert_close(out, walk_oracle(case, case.cache), **FP32_TOL)
+    rows = case.metadata.block_table.tolist()
+    order, walks = plan.decode_order(query_lens, priors)
+    assert (order, walks) == ([0, 4, 3, 1], [5001, 2048, 2001, 101])
+    expected = plan.decode_calls(walks, [rows[i] for i in order], 16, 1024)
+    assert ran == expected
+    assert [(c.start, c.first, c.last, c.blocks) for c in ran] == [
+        (0, 0, 4, 64), (1024, 0, 3, 64), (2048, 0, 1, 64), (3072, 0, 1, 64), (4096, 0, 1, 57)
+    ]
+    gathered = plan.gathered_tokens(query_lens, priors, rows, 16, 1024)
+    # Shuffled: every call copies (4 + 3 + 1 + 1 decodes x 64 blocks, 1 x 57) and the chunk its 19
+    # prior blocks, 16 tokens each. Consecutive: each request's blocks follow the previous one's,
+    # so everything is read in place except the first segment of the 4 decodes (0 -> 4 -> 3 -> 1 is
+    # not the allocation order 0, 1, 3, 4) and the second of 3.
+    assert sum(copied) == gathered == (10432 if not consecutive else (4 * 64 + 3 * 64) * 16)

@@ -3,7 +3,7 @@
 Tolerances: float32 linears agree with ``F.linear`` within 1e-5 (summation order only; observed
 <= 2e-6); bfloat16 linears within one bfloat16 ulp of the float32 product of the same inputs (rtol
 2**-7), RMSNorm and RoPE are bitwise the eager result in float32 (RoPE also in bfloat16). Attention
-uses the tolerances of test_attention.py against the same SDPA oracle.
+uses the tolerances of test_attention.py against the same SDPA oracle and the seed's segment walk.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import make_case, sdpa_oracle
+from kernel_cases import make_case, sdpa_oracle, walk_oracle
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.segmented import SegmentedAttentionBackend
@@ -207,6 +207,42 @@ def test_compiled_decodes_equal_the_eager_kernel_on_the_seed_example() -> None:
         eager = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,
                                                     case.scale)
     torch.testing.assert_close(compiled, eager, **FP32_TOL)
+
+
+@pytest.mark.parametrize("seg,block_size", [(512, 16), (2048, 128)])
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 1), 32)], ids=["gqa-3", "mqa"])
+def test_compiled_backend_and_c_decode_kernel_agree_with_segment_walk(seg, block_size, heads, head_dim):
+    """Priors 0, an exact multiple of the segment, a partial last segment, block-unaligned and short
+    (``_mixed``): the backend with the compiled decodes, and ``decode_attention`` alone on the decodes,
+    equal the seed's walk within FP32_TOL."""
+    query_lens, priors = _mixed(seg, block_size)
+    case = make_case(query_lens, priors, block_size=block_size, seg=seg, heads=heads, head_dim=head_dim,
+                     pad=3, seed=seg + heads[1])
+    walk = walk_oracle(case, case.cache)
+    cache = case.cache.clone()
+    out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, cache, case.metadata, case.scale)
+    torch.testing.assert_close(out, walk, **FP32_TOL)
+    md = case.metadata
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    rows = torch.tensor([md.query_start_loc_cpu[i] for i in decodes])
+    direct = torch.zeros_like(case.q)
+    cpu_kernels.decode_attention(case.q, direct, rows, cache, md.block_table, torch.tensor(decodes),
+                                 torch.tensor([priors[i] + 1 for i in decodes]), seg, case.scale)
+    torch.testing.assert_close(direct[rows], walk[rows], **FP32_TOL)
+
+
+@pytest.mark.parametrize("priors", [[0], [130, 40]])
+def test_c_decode_kernel_splitting_short_segments_agrees_with_segment_walk(priors: list[int]) -> None:
+    """Few decodes over short contexts: the C code halves the 512-token segment (down to 64 tokens)
+    to keep threads busy; the answer is still the walk in 512-token segments."""
+    case = make_case([1] * len(priors), priors, block_size=16, seg=512, heads=(4, 1), head_dim=32, seed=15)
+    cache = case.cache.clone()
+    write_kv(cache, case.k, case.v, case.metadata.slot_mapping)
+    n = len(priors)
+    out = torch.zeros_like(case.q)
+    cpu_kernels.decode_attention(case.q, out, torch.arange(n), cache, case.metadata.block_table,
+                                 torch.arange(n), case.metadata.seq_lens.long(), 512, case.scale)
+    torch.testing.assert_close(out, walk_oracle(case, case.cache), **FP32_TOL)
 
 
 def test_decode_attention_rejects_a_length_past_the_block_table() -> None:

@@ -91,29 +91,16 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch, comp
     real = [sum(copied[marks[i] : marks[i + 1]]) // layers for i in range(len(samples))]
     assert [c.gathered_tokens for c, _ in samples] == real
     assert sum(real) > 0  # the case does exercise gathers
-    # The simulator keeps its own copy of the kernel's per-call gather bound (it cannot import torch).
-    from segserve.simulator import replica
-
-    assert replica._MAX_GATHER_TOKENS == segmented.MAX_GATHER_TOKENS
 
 
-def test_segmented_gather_tokens_by_hand():
+def test_segmented_gather_tokens_reads_each_slice_as_the_plan_does():
+    # The simulator charges ``segserve.attention.plan.gathered_tokens`` (exact cases in
+    # tests/unit/test_plan.py); this pins how a slice's prior and chunk feed it.
     from segserve.simulator.replica import segmented_gather_tokens
     from segserve.simulator.step_model import RequestSlice
 
-    dec = lambda prior: RequestSlice(prior, 1, True, True)  # noqa: E731
-    # One decode over consecutive blocks: read in place.
-    assert segmented_gather_tokens([dec(40)], [[5, 6, 7]], 16, 512) == 0
-    # Two decodes whose request-major ids happen to run on (5, 6 | 7, 8): in place; interleaved: both
-    # requests' 2 blocks copied (2 x 2 x 16).
-    assert segmented_gather_tokens([dec(20), dec(20)], [[5, 6], [7, 8]], 16, 512) == 0
-    assert segmented_gather_tokens([dec(20), dec(20)], [[5, 7], [6, 8]], 16, 512) == 64
-    # Segment 32 tokens (2 blocks): the longer decode (walk 41: blocks 0-2) reaches the second
-    # segment alone, where its one block (id 9) is in place; the first segment of both (walks 41 and
-    # 20) gathers 2 x 2 blocks; the shorter row is padded with the null block to the longest's width.
-    assert segmented_gather_tokens([dec(40), dec(19)], [[1, 3, 9], [2, 4]], 16, 32) == 64
-    # A prefill chunk copies its prior blocks unless consecutive; a first chunk (prior 0) reads none.
-    chunk = RequestSlice(48, 16, False, False)
-    assert segmented_gather_tokens([chunk], [[3, 4, 5, 6]], 16, 512) == 0
+    chunk = RequestSlice(48, 16, False, False)  # prior 48: 3 blocks of 16, the second out of order
     assert segmented_gather_tokens([chunk], [[3, 8, 5, 6]], 16, 512) == 48
-    assert segmented_gather_tokens([RequestSlice(0, 64, False, True)], [[9, 2, 4, 1]], 16, 512) == 0
+    decodes = [RequestSlice(40, 1, True, True), RequestSlice(19, 1, True, True)]
+    assert segmented_gather_tokens(decodes, [[1, 3, 9], [2, 4]], 16, 32) == 64
+    assert segmented_gather_tokens(decodes, [[1, 3, 9], [2, 4]], 16, 32, decodes_gather=False) == 0

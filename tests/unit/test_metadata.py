@@ -25,11 +25,11 @@ def test_mixed_batch_matches_per_token_reference() -> None:
     assert md.slot_mapping.tolist() == _reference_slots(query_lens, priors, rows)
     assert md.slot_mapping.dtype == torch.int64
     assert md.block_table.tolist() == [[5, 2, 9, 0], [11, 12, 0, 0], [3, 0, 0, 0], [7, 8, 1, 0]]
-    assert md.query_start_loc.tolist() == [0, 1, 8, 9, 12] and md.query_start_loc_cpu == (0, 1, 8, 9, 12)
-    assert md.prior_tokens.tolist() == [[9], [0], [2], [5]] and md.prior_tokens_cpu == (9, 0, 2, 5)
-    assert md.seq_lens.tolist() == [10, 7, 3, 8]
+    assert md.query_start_loc_cpu == (0, 1, 8, 9, 12) and md.prior_tokens_cpu == (9, 0, 2, 5)
+    assert md.query_lens_cpu == (1, 7, 1, 3) and md.num_reqs == 4
+    assert md.seq_lens.tolist() == [10, 7, 3, 8] and md.seq_lens.dtype == torch.int32
     assert (md.num_actual_tokens, md.num_padded_tokens) == (12, 16)
-    assert (md.max_query_len, md.max_prior_tokens) == (7, 9)
+    assert md.max_query_len == 7
 
 
 def test_empty_batch() -> None:

@@ -55,7 +55,7 @@ def test_10240_token_request_with_4096_token_cached_prefix():
     )
     row = meta.block_table[0].tolist()
     assert len(row) == 80 and row[:48] == list(range(1, 49)) and row[48:] == [0] * 32
-    assert meta.prior_tokens.tolist() == [[4096]]
+    assert meta.prior_tokens_cpu == (4096,) and meta.seq_lens.tolist() == [6144]
 
     held, priors = [], []
     for _ in range(2):
