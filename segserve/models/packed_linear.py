@@ -69,6 +69,11 @@ class PackedLinear(nn.Linear):
     def is_packed(self) -> bool:
         return self._packed is not None
 
+    @property
+    def packed_weight(self) -> torch.Tensor | None:
+        """The packed copy :meth:`pack` made (opaque oneDNN layout), or None."""
+        return self._packed
+
     def pack(self) -> bool:
         """Make (or refresh) the packed copy; returns whether there is one (float32 or bfloat16 CPU
         weights with oneDNN available)."""
