@@ -61,10 +61,7 @@ def _decode_ms(loaded, dtype: str, prompt: list[int], tokens: int, batch: int, p
 
     engine = LLMEngine(model=loaded, dtype=dtype, max_num_seqs=max(batch, 1))
     if not prepack:
-        for m in loaded.model.modules():
-            if hasattr(m, "unpack"):
-                m.unpack()
-        loaded.model._packed_lm_head = None
+        engine.runner.cpu_step.unpack()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     for b in range(batch):
         engine.add_request(f"r{b}", [prompt[0] + b, *prompt[1:]], params)

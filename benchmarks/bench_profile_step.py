@@ -66,10 +66,7 @@ def main() -> None:
     loaded = load_model(None, dtype=getattr(torch, args.dtype))
     engine = LLMEngine(model=loaded, dtype=args.dtype, max_num_seqs=max(args.batch, 2))
     if args.no_prepack:
-        for m in loaded.model.modules():
-            if hasattr(m, "unpack"):
-                m.unpack()
-        loaded.model._packed_lm_head = None
+        engine.runner.cpu_step.unpack()
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for b in range(args.batch):
         engine.add_request(f"d{b}", [100 + b] + [200 + i % 1000 for i in range(args.prompt_len - 1)], params)

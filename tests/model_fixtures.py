@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from segserve.attention.metadata import build_attention_metadata
+from segserve.worker.cpu_step import CpuStep
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -39,6 +40,7 @@ def run_chunked(model: Any, token_ids: list[int], chunk_lens: list[int], block_s
                 kv_segment_size: int = 512, seed: int = 0) -> torch.Tensor:
     """Feed one prompt through ``model`` in chunks of ``chunk_lens`` tokens over a paged cache whose
     block ids are shuffled; return ``(len(token_ids), vocab)`` float32 logits of every position.
+    Steps and logits run as the engine's runner runs them (``CpuStep``: compiled kernels where they fit).
 
     ``kv_segment_size`` need only be a multiple of ``block_size`` here (the backend's rule), so tiny
     models can walk several segments."""
@@ -47,12 +49,12 @@ def run_chunked(model: Any, token_ids: list[int], chunk_lens: list[int], block_s
     block_ids = list(range(1, num_needed + 1))
     random.Random(seed).shuffle(block_ids)
     caches = new_caches(model, num_needed + 2, block_size)
-    logits, start = [], 0
+    logits, start, step = [], 0, CpuStep(model)
     for q in chunk_lens:
         md = build_attention_metadata([q], [start], [block_ids], block_size, len(block_ids), kv_segment_size)
         ids = torch.tensor(token_ids[start : start + q])
-        hidden = model(ids, torch.arange(start, start + q), caches, md)
-        logits.append(model.compute_logits(hidden))
+        hidden = step.forward(ids, torch.arange(start, start + q), caches, md)
+        logits.append(step.compute_logits(hidden))
         start += q
     return torch.cat(logits)
 

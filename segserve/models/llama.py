@@ -10,15 +10,16 @@ Architecture facts (Touvron et al. 2023, "Llama 2"; HF ``modeling_llama``): pre-
 position embedding in the rotate-half convention, grouped-query attention, SwiGLU MLP
 ``down(silu(gate(x)) * up(x))``, optionally tied input/output embeddings.
 
-With the compiled CPU kernels (``segserve.kernels.cpu``, float32/bfloat16 on an AVX-512 CPU) RoPE runs in
-place in C for every step, and decode-sized steps (up to ``MAX_SMALL_ROWS`` rows) run each layer as four
-compiled linears with the norms, the SiLU gate and the residual adds fused in, plus attention; larger
-steps keep oneDNN's GEMMs, where the eager ops are a small share of the time.
+This file is the model in plain PyTorch ops. How a step runs on a given machine is the model runner's
+choice (``segserve.worker.cpu_step``): it may pass an in-place rotary op to :meth:`LlamaForCausalLM.forward`,
+or run the layers itself from the modules here (``layers``, their projections and norms, ``rope_at``,
+``norm``, ``lm_head_weight``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,14 @@ from torch import nn
 
 from segserve.attention.backends import AttentionBackend
 from segserve.attention.metadata import AttentionMetadata
-from segserve.kernels import cpu as cpu_kernels
-from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
+from segserve.models.packed_linear import PackedLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# ``rope_inplace(x, num_heads, head_dim, cos, sin)``: rotate the first ``num_heads`` heads of each row of
+# ``x`` ``(T, W)`` in place, with ``cos``/``sin`` ``(T, D)`` float32 rows of ``rope_table`` rounded to
+# ``x``'s dtype, as ``apply_rope`` would. The runner passes a compiled one; the model has none of its own.
+RopeInplace = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -279,25 +284,26 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata, compiled: bool = False,
+        metadata: AttentionMetadata, rope_inplace: RopeInplace | None = None,
     ) -> torch.Tensor:
-        """``x`` ``(T, H)`` -> ``(T, H)``; ``cos``/``sin`` as :meth:`attend` takes them."""
-        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv_cache, metadata, compiled))
+        """``x`` ``(T, H)`` -> ``(T, H)``; the rest as :meth:`attend` takes them."""
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv_cache, metadata, rope_inplace))
 
     def attend(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata, compiled: bool,
+        metadata: AttentionMetadata, rope_inplace: RopeInplace | None = None,
     ) -> torch.Tensor:
         """Fused projections ``qkv`` ``(T, (Hq + 2 Hkv) D)`` -> attention output ``(T, Hq D)``.
 
-        ``cos``/``sin`` are rows of ``rope_table``: ``(T, D)`` float32 with ``compiled`` (the C
-        kernel rotates ``qkv`` in place), else ``(T, 1, D)`` in the activation dtype.
+        ``cos``/``sin`` are rows of ``rope_table`` as :meth:`LlamaForCausalLM.rope_at` gives them:
+        ``(T, D)`` float32 for ``rope_inplace`` (which rotates ``qkv`` in place, see ``RopeInplace``),
+        else ``(T, 1, D)`` in the activation dtype for ``apply_rope``.
         """
         t = qkv.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         # Q and K heads are adjacent in the fused output, so one rotation covers both.
-        if compiled:
-            cpu_kernels.rope_(qkv, hq + hkv, self.head_dim, cos, sin)
+        if rope_inplace is not None:
+            rope_inplace(qkv, hq + hkv, self.head_dim, cos, sin)
             q, k, v = qkv.view(t, hq + 2 * hkv, self.head_dim).split((hq, hkv, hkv), dim=1)
         else:
             qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)  # (T, Hq + 2 Hkv, D)
@@ -333,31 +339,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata, compiled: bool = False,
+        metadata: AttentionMetadata, rope_inplace: RopeInplace | None = None,
     ) -> torch.Tensor:
-        """``h`` ``(T, H)``, the step's own residual stream (never a view of a weight), updated in place."""
-        if compiled and h.shape[0] <= cpu_kernels.MAX_SMALL_ROWS[h.dtype]:
-            return self._forward_small(h, cos, sin, kv_cache, metadata)
-        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata, compiled))
+        """``h`` ``(T, H)``, the step's own residual stream (never a view of a weight), updated in place
+        and returned; ``cos``/``sin`` and ``rope_inplace`` as :meth:`LlamaAttention.attend` takes them."""
+        h.add_(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata, rope_inplace))
         return h.add_(self.mlp(self.post_attention_layernorm(h)))
-
-    def _forward_small(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The same layer for a few rows, in compiled linears that stream each weight once with the
-        norms, the SiLU gate and the residual adds fused in (``h`` contiguous)."""
-        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv = cpu_kernels.linear(
-            h, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="rmsnorm", norm_weight=ln1.weight,
-            eps=ln1.eps,
-        )  # (T, (Hq + 2 Hkv) D)
-        out = attn.attend(qkv, cos, sin, kv_cache, metadata, True)  # (T, Hq D)
-        cpu_kernels.linear(out, attn.o_proj.weight, residual=h)  # h += o_proj(out)
-        gate_up = cpu_kernels.linear(
-            h, mlp.gate_up_proj.weight, prologue="rmsnorm", norm_weight=ln2.weight, eps=ln2.eps
-        )  # (T, 2 I)
-        return cpu_kernels.linear(gate_up, mlp.down_proj.weight, prologue="silu_mul", residual=h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -386,15 +373,10 @@ class LlamaForCausalLM(nn.Module):
         # Built on first use on the input's device: not a buffer, so the loader can build the module
         # on the meta device and ``.to(dtype)`` never rounds the float32 table.
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._packed_lm_head: torch.Tensor | None = None
-        self._kernel_fit: dict[torch.dtype, bool] = {}  # per dtype: do all weights fit the C kernels
-        # The compiled decode step's pointers to every weight and cache, keyed on the caches.
-        self._stack: cpu_kernels.DecodeStack | None = None
-        self._stack_key: tuple | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata, rope_inplace: RopeInplace | None = None,
     ) -> torch.Tensor:
         """Run the active tokens through every layer.
 
@@ -403,6 +385,8 @@ class LlamaForCausalLM(nn.Module):
             positions: ``(T,)`` int64 absolute positions, each ``< max_position_embeddings``.
             kv_caches: one tensor per layer, in the backend's layout.
             metadata: the step's attention metadata.
+            rope_inplace: rotates Q/K inside each layer's fused projection output (see ``RopeInplace``);
+                None rotates out of place with ``apply_rope``.
 
         Returns:
             ``(T, H)`` hidden states after the final norm.
@@ -410,120 +394,37 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: when ``len(kv_caches)`` is not the number of layers.
         """
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        self.check_kv_caches(kv_caches)
         h = self.embed_tokens(input_ids)  # (T, H)
-        compiled = self._compiled_kernels_fit(h)
-        cos, sin = self._rope_at(positions, h.dtype, compiled)  # shared by all layers
-        stack = self._decode_stack(h, kv_caches, metadata) if compiled else None
-        if stack is not None:  # a decode-only step: every layer in one compiled call
-            stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
-                      metadata.seq_lens.long(), metadata.kv_segment_size, self.layers[0].self_attn.scale)
-            return self.norm(h)
+        # Shared by all layers: (T, D) float32 for rope_inplace, else (T, 1, D) in h's dtype.
+        cos, sin = self.rope_at(positions, None if rope_inplace is not None else h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, metadata, compiled)
+            h = layer(h, cos, sin, kv_cache, metadata, rope_inplace)
         return self.norm(h)
 
-    def _decode_stack(
-        self, h: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
-    ) -> cpu_kernels.DecodeStack | None:
-        """The compiled whole-step path when this step is decodes only (one row per request, few
-        rows) over the segmented backend and caches it takes; else None. Built once per dtype and cache
-        shape: it holds the weight tensors, so after replacing one (not editing it in place) call
-        :meth:`prepack_weights` again, as for the packed copies."""
-        if (
-            h.shape[0] > cpu_kernels.MAX_SMALL_ROWS[h.dtype] or metadata.max_query_len != 1
-            or metadata.num_actual_tokens != metadata.num_reqs
-            or getattr(self.layers[0].self_attn.attn_backend, "name", None) != "segmented"
-        ):
-            return None
-        key = (h.dtype, kv_caches[0].shape, len(kv_caches))
-        if self._stack_key != key:
-            self._stack_key = key
-            self._stack = None
-            c = self.config
-            if all(cpu_kernels.supports_cache(kv, h.dtype, c.num_attention_heads) for kv in kv_caches):
-                try:
-                    self._stack = cpu_kernels.DecodeStack(
-                        self.decode_stack_layers(kv_caches), c.num_attention_heads, c.num_key_value_heads,
-                        c.head_dim, c.rms_norm_eps,
-                    )
-                except ValueError:  # a shape the whole-step kernel does not take: per-layer path
-                    self._stack = None
-        return self._stack
+    def check_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Raises ValueError unless there is one KV cache per layer."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
 
-    def decode_stack_layers(self, kv_caches: list[torch.Tensor]) -> list[tuple]:
-        """Per layer, the tensors ``cpu_kernels.DecodeStack`` reads, in its order: ``(ln1, qkv,
-        qkv_bias or None, o, ln2, gate_up, down, kv_cache)``."""
-        return [
-            tuple(None if t is None else t.detach() for t in (
-                ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
-                ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight, ly.mlp.gate_up_proj.weight,
-                ly.mlp.down_proj.weight, kv,
-            ))
-            for ly, kv in zip(self.layers, kv_caches, strict=True)
-        ]
-
-    def _compiled_kernels_fit(self, h: torch.Tensor) -> bool:
-        """Whether this step can use the compiled CPU kernels: switched on and built, CPU activations
-        of a supported dtype, and weights of that dtype in shapes the kernels take."""
-        if h.dtype not in cpu_kernels.MAX_SMALL_ROWS or h.device.type != "cpu" or not cpu_kernels.enabled():
-            return False
-        first = self.layers[0]
-        if first.self_attn.qkv_proj.weight.dtype != h.dtype:
-            return False
-        return self._weights_fit_kernels(h.dtype)
-
-    def _weights_fit_kernels(self, dtype: torch.dtype) -> bool:
-        fits = self._kernel_fit.get(dtype)
-        if fits is None:
-            c = self.config
-            weights = [m.weight for m in self.modules() if isinstance(m, PackedLinear)]
-            fits = c.head_dim <= 1024 and all(
-                cpu_kernels.supports_linear(w) and w.dtype == dtype for w in weights
-            )
-            self._kernel_fit[dtype] = fits
-        return fits
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The ``(vocab, H)`` output matrix: the embedding's when the checkpoint ties them."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits (matmul in the weight dtype)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if (
-            hidden.dtype == weight.dtype
-            and hidden.shape[0] <= cpu_kernels.MAX_SMALL_ROWS.get(hidden.dtype, 0)
-            and hidden.device.type == "cpu" and cpu_kernels.supports_linear(weight) and cpu_kernels.enabled()
-        ):
-            return cpu_kernels.linear(hidden.contiguous(), weight, out_dtype=torch.float32)
-        packed = self._packed_lm_head
-        if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
-            return packed_linear(hidden, packed, None).float()
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.lm_head_weight).float()
 
-    def prepack_weights(self) -> int:
-        """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
-        ``segserve.models.packed_linear``). Idempotent; call again after changing weights.
-
-        Costs one extra copy of the packed weights (the plain ones stay for ``state_dict``).
-        Returns how many weights are packed (0 for other dtypes or devices, or without oneDNN).
-        """
-        linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
-        count = sum(m.pack() for m in linears)
-        self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
-        self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
-        if self.lm_head is None:  # tied: the LM head reads the embedding matrix
-            self._packed_lm_head = pack_weight(self.embed_tokens.weight)
-        else:
-            self._packed_lm_head = self.lm_head._packed
-        return count + (self.lm_head is None and self._packed_lm_head is not None)
-
-    def _rope_at(
-        self, positions: torch.Tensor, dtype: torch.dtype, compiled: bool
+    def rope_at(
+        self, positions: torch.Tensor, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of the RoPE table at ``positions``: ``(T, D)`` float32 for the compiled kernel (it
-        rounds them itself), else ``(T, 1, D)`` in ``dtype``."""
+        """Rows of the RoPE table at ``positions`` ``(T,)``: ``(cos, signed_sin)``, each ``(T, D)``
+        float32 when ``dtype`` is None (for a ``RopeInplace``, which rounds them itself), else
+        ``(T, 1, D)`` in ``dtype`` (for ``apply_rope``)."""
         if self._rope is None or self._rope[0].device != positions.device:
             self._rope = rope_table(self.config, positions.device)
         cos, sin = self._rope
-        if compiled:
+        if dtype is None:
             return cos[positions], sin[positions]
         return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)

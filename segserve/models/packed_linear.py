@@ -58,8 +58,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class PackedLinear(nn.Linear):
     """``nn.Linear`` (same parameters and state-dict names) that uses a packed copy of its weight
-    once :meth:`pack` made one. The plain ``weight`` stays the source of truth: call :meth:`pack`
-    again after changing it (a stale copy would silently compute with the old values)."""
+    once :meth:`pack` made one (the model runner packs them all, ``segserve.worker.cpu_step``). The
+    plain ``weight`` stays the source of truth: call :meth:`pack` again after changing it (a stale copy
+    would silently compute with the old values)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
         super().__init__(in_features, out_features, bias=bias, **kwargs)
@@ -68,6 +69,11 @@ class PackedLinear(nn.Linear):
     @property
     def is_packed(self) -> bool:
         return self._packed is not None
+
+    @property
+    def packed_weight(self) -> torch.Tensor | None:
+        """The packed copy :meth:`pack` made (opaque oneDNN layout), or None."""
+        return self._packed
 
     def pack(self) -> bool:
         """Make (or refresh) the packed copy; returns whether there is one (float32 or bfloat16 CPU

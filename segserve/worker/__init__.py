@@ -1,1 +1,1 @@
-"""Per-step tensor work: model runner, input batch and sampler."""
+"""Per-step tensor work: the model runner, how each step of the model runs (``cpu_step``), the sampler."""

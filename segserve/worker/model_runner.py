@@ -15,6 +15,7 @@ from segserve.attention.metadata import AttentionMetadata, build_attention_metad
 from segserve.config import EngineConfig
 from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from segserve.sampling_params import SamplingParams
+from segserve.worker.cpu_step import CpuStep
 from segserve.worker.sampler import compute_logprobs, sample
 
 
@@ -44,11 +45,11 @@ class RunnerRequest:
 
 
 class ModelRunner:
-    """Owns the model, the paged KV cache (one tensor per layer) and per-request runner state.
+    """Owns the model, the paged KV cache (one tensor per layer) and per-request runner state; its
+    ``cpu_step`` (``segserve.worker.cpu_step.CpuStep``) chooses how each step and the LM head run.
 
     Args:
-        model: a model with ``forward(input_ids, positions, kv_caches, metadata)`` and
-            ``compute_logits(hidden)`` (see ``segserve.models.llama``).
+        model: a ``segserve.models.llama.LlamaForCausalLM``.
         config: engine configuration.
         num_kv_blocks: blocks per layer, including the null block 0.
         num_kv_heads, head_dim: KV cache geometry.
@@ -72,11 +73,10 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.config = config
+        self.cpu_step = CpuStep(model)
         # CPU float32/bfloat16: reorder weights for oneDNN once (1.8-2.6x faster GEMVs at M = 1-2
-        # than F.linear; docs/perf.md). A no-op on other devices and for models without the method.
-        prepack = getattr(model, "prepack_weights", None)
-        if prepack is not None:
-            prepack()
+        # than F.linear; docs/perf.md). A no-op on other devices.
+        self.cpu_step.prepack()
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = config.max_blocks_per_seq
         shape = (2, num_kv_blocks, self.block_size, num_kv_heads, head_dim)
@@ -138,7 +138,7 @@ class ModelRunner:
         if not order:
             return ModelRunnerOutput(sampled_token_ids={})
         input_ids, positions, metadata = self._prepare_inputs(so, order)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)  # (T_padded, hidden)
+        hidden = self.cpu_step.forward(input_ids, positions, self.kv_caches, metadata)  # (T_padded, hidden)
         ends = metadata.query_start_loc_cpu[1:]
         due = [
             i
@@ -149,7 +149,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, order, so, metadata)
         sampled, logprobs = {}, {}
         if due:
-            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in due]])  # (N, V) float32
+            logits = self.cpu_step.compute_logits(hidden[[ends[i] - 1 for i in due]])  # (N, V) float32
             rids = [order[i] for i in due]
             states = [self.requests[rid] for rid in rids]
             self._mask_stop_tokens(logits, states)
@@ -200,6 +200,6 @@ class ModelRunner:
                 result[rid] = []
                 continue
             start = metadata.query_start_loc_cpu[i]
-            logits = self.model.compute_logits(hidden[start : start + last - first])
+            logits = self.cpu_step.compute_logits(hidden[start : start + last - first])
             result[rid] = compute_logprobs(logits, state.token_ids[first + 1 : last + 1], k)
         return result

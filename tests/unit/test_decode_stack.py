@@ -1,9 +1,9 @@
 """The compiled whole-step decode path (``DecodeStack``) equals the per-layer eager path.
 
 Tiny random checkpoints (2 layers, hidden 64, 4 query / 2 KV heads of dim 16; Qwen2 adds q/k/v biases)
-through ``LlamaForCausalLM.forward``: a decode-only step of three requests with interleaved blocks and
-one padding row, once with the kernels on (one C call for all layers) and once eager, from the same
-cache. Tolerance: float32 hidden states and caches within 1e-5 (summation order; observed ~1.5e-6);
+through the runner's ``CpuStep.forward``: a decode-only step of three requests with interleaved blocks
+and one padding row, once with the kernels on (one C call for all layers) and once eager, from the
+same cache. Tolerance: float32 hidden states and caches within 1e-5 (summation order; observed ~1.5e-6);
 bfloat16 within 5e-2 + 3 % (states of magnitude ~0.5-4: a few bf16 ulps, as the eager path rounds
 attention partials to bf16 where the kernel keeps float32, and two layers of N(0, 0.2) weights amplify
 that; observed 4.3e-2).
@@ -24,6 +24,7 @@ from segserve.attention.metadata import build_attention_metadata  # noqa: E402
 from segserve.kernels import build  # noqa: E402
 from segserve.kernels import cpu as cpu_kernels  # noqa: E402
 from segserve.models.loader import load_model  # noqa: E402
+from segserve.worker.cpu_step import CpuStep, decode_stack_layers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not all(f in build._cpu_flags() for f in build.REQUIRED_CPU_FLAGS), reason="CPU lacks AVX-512 BF16"
@@ -71,7 +72,7 @@ def _decode_step(model, caches, rows, kernels: bool, n: int, pad: int) -> torch.
     positions = torch.tensor(priors + [0] * pad)
     old = cpu_kernels.set_enabled(kernels)
     try:
-        return model(ids, positions, caches, md)
+        return CpuStep(model).forward(ids, positions, caches, md)
     finally:
         cpu_kernels.set_enabled(old)
 
@@ -105,7 +106,7 @@ def _stack_step(model):
     rows = _interleaved_rows()
     caches = _prefilled(model, rows)
     md = build_attention_metadata([1, 1, 1], [len(p) for p in PROMPTS], rows, BLOCK, 16, 512)
-    stack = model._decode_stack(torch.zeros(3, 64), caches, md)
+    stack = CpuStep(model).decode_stack(torch.zeros(3, 64), caches, md)
     assert stack is not None
     return stack, caches, md, torch.randn(3, 64), torch.ones(3, 16), torch.zeros(3, 16)
 
@@ -127,7 +128,7 @@ def test_decode_stack_bad_slot_or_block_raises_and_changes_nothing(tiny) -> None
 
 def test_decode_stack_names_a_misshapen_tensor(tiny) -> None:
     caches = new_caches(tiny, 8, BLOCK)
-    layers = tiny.decode_stack_layers(caches)
+    layers = decode_stack_layers(tiny, caches)
     layers[1] = (*layers[1][:6], layers[1][6].t(), layers[1][7])
     with pytest.raises(ValueError, match=r"layer 1 down: need contiguous \(64, 96\)"):
         cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5)

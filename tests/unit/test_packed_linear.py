@@ -68,9 +68,12 @@ def test_repack_after_weight_change_and_unpack() -> None:
 
 
 @needs_onednn
-def test_model_prepack_counts_and_keeps_logits() -> None:
+def test_runner_prepack_counts_and_keeps_logits(monkeypatch) -> None:
     from segserve.attention.backends import get_attention_backend
+    from segserve.kernels import cpu as cpu_kernels
     from segserve.models.llama import LlamaConfig, LlamaForCausalLM
+    from segserve.worker import cpu_step
+    from segserve.worker.cpu_step import CpuStep
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -80,13 +83,25 @@ def test_model_prepack_counts_and_keeps_logits() -> None:
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
     model = model.bfloat16()
+    step = CpuStep(model)
+    packed_calls = []
+    real = cpu_step.packed_linear
+    monkeypatch.setattr(cpu_step, "packed_linear", lambda *a: packed_calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "_switch", False)  # else the compiled small-row head takes 3 rows
     hidden = torch.randn(3, 32).bfloat16()
     before = model.compute_logits(hidden)
-    assert model.prepack_weights() == 2 * 4 + 1  # 4 projections per layer + the tied LM head
-    after = model.compute_logits(hidden)
+    assert step.prepack() == 2 * 4 + 1  # 4 projections per layer + the tied LM head
+    assert all(m.is_packed for m in model.modules() if hasattr(m, "is_packed"))
+    after = step.compute_logits(hidden)
+    assert packed_calls == [1]  # the packed head took it, bitwise F.linear's
     assert after.dtype == torch.float32 and torch.equal(before, after)
+    step.unpack()
+    assert not any(m.is_packed for m in model.modules() if hasattr(m, "is_packed"))
+    assert torch.equal(step.compute_logits(hidden), before) and packed_calls == [1]
     model = model.float()
     before = model.compute_logits(hidden.float())
-    assert model.prepack_weights() == 2 * 4 + 1  # float32 packs too
-    torch.testing.assert_close(model.compute_logits(hidden.float()), before, rtol=1e-5, atol=1e-5)
-    assert model.double().prepack_weights() == 0
+    assert step.prepack() == 2 * 4 + 1  # float32 packs too
+    torch.testing.assert_close(step.compute_logits(hidden.float()), before, rtol=1e-5, atol=1e-5)
+    assert packed_calls == [1, 1]
+    model.double()
+    assert step.prepack() == 0

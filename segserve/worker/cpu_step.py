@@ -1,0 +1,210 @@
+"""How one step of a Llama-family model runs, and its LM head: compiled CPU kernels where they fit.
+
+The model (``segserve.models.llama``) is plain PyTorch; :class:`CpuStep` reads its layer modules and picks,
+per step, when the compiled CPU kernels (``segserve.kernels.cpu``, float32/bfloat16 on an AVX-512 CPU)
+are switched on and every projection has a shape they take:
+
+- a decode-only step (one row per request, at most ``MAX_SMALL_ROWS`` rows) over the segmented backend:
+  every layer in one C call (``DecodeStack``);
+- any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
+  the SiLU gate and the residual adds fused in, plus the backend's attention (:func:`forward_small`);
+- larger steps: the model's own forward with RoPE rotated in place in C; oneDNN's GEMMs keep the
+  projections, where the eager ops are a small share of the time.
+
+Otherwise (kernels off or unbuilt, another dtype or device, a weight shape they do not take) the model's
+own forward. The LM head alike: the compiled linear for a few rows, else the oneDNN-packed copy
+(:meth:`CpuStep.prepack`), else the model's ``compute_logits``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from segserve.attention.metadata import AttentionMetadata
+from segserve.attention.segmented import SegmentedAttentionBackend
+from segserve.kernels import cpu as cpu_kernels
+from segserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
+
+# rope_'s own limit, checked once per dtype here rather than failing inside a step.
+_MAX_ROPE_HEAD_DIM = 1024
+
+
+class CpuStep:
+    """Runs the steps and the LM head of one model the fastest way that fits (module docstring).
+
+    Holds the packed LM head, the per-dtype answer to "do the weights fit the kernels" and the compiled
+    decode step (pointers to every weight, built once per dtype and cache shape); the KV caches are
+    passed with each step and never held. One per model runner; several may share a model.
+
+    Args:
+        model: the model whose modules the compiled paths read.
+    """
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self._packed_lm_head: torch.Tensor | None = None
+        self._kernel_fit: dict[torch.dtype, bool] = {}
+        self._stack: cpu_kernels.DecodeStack | None = None
+        self._stack_key: tuple | None = None
+
+    def prepack(self) -> int:
+        """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
+        ``segserve.models.packed_linear``). Idempotent; call again after changing or replacing weights
+        (it also forgets the kernel-fit answers and the compiled decode step, which hold the weights).
+
+        Costs one extra copy of the packed weights (the plain ones stay for ``state_dict``).
+        Returns how many weights are packed (0 for other dtypes or devices, or without oneDNN).
+        """
+        model = self.model
+        count = sum(m.pack() for m in _linears(model))
+        self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
+        self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
+        if model.lm_head is None:  # tied: the LM head reads the embedding matrix
+            self._packed_lm_head = pack_weight(model.embed_tokens.weight)
+        else:
+            self._packed_lm_head = model.lm_head.packed_weight
+        return count + (model.lm_head is None and self._packed_lm_head is not None)
+
+    def unpack(self) -> None:
+        """Drop every packed copy: projections and LM head go back to ``F.linear``."""
+        for m in _linears(self.model):
+            m.unpack()
+        self._packed_lm_head = None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One step, as ``LlamaForCausalLM.forward`` takes and returns it (equal within summation order).
+
+        Args:
+            input_ids: ``(T,)`` int64 token ids (T may include padding rows).
+            positions: ``(T,)`` int64 absolute positions.
+            kv_caches: one ``[2, num_blocks, block_size, Hkv, D]`` tensor per layer, written in place.
+            metadata: the step's attention metadata.
+
+        Returns:
+            ``(T, H)`` hidden states after the final norm.
+
+        Raises:
+            ValueError: when ``len(kv_caches)`` is not the number of layers, or (from the kernels,
+                before anything is written) a slot or block id lies outside the caches.
+        """
+        model = self.model
+        weight = model.embed_tokens.weight  # the activations' dtype and device
+        if not self._kernels_fit(weight.dtype, weight.device):
+            return model(input_ids, positions, kv_caches, metadata)
+        if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[weight.dtype]:
+            return model(input_ids, positions, kv_caches, metadata, cpu_kernels.rope_)
+        model.check_kv_caches(kv_caches)
+        h = model.embed_tokens(input_ids)  # (T, H)
+        cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
+        stack = self.decode_stack(h, kv_caches, metadata)
+        if stack is not None:  # a decode-only step: every layer in one compiled call
+            stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
+                      metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale)
+            return model.norm(h)
+        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
+            h = forward_small(layer, h, cos, sin, kv_cache, metadata)
+        return model.norm(h)
+
+    def decode_stack(
+        self, h: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
+    ) -> cpu_kernels.DecodeStack | None:
+        """The compiled whole-step path for ``h`` ``(T, H)`` when this step is decodes only (one row
+        per request, at most ``MAX_SMALL_ROWS`` rows) over the segmented backend and caches it takes;
+        else None. The C step computes the segmented backend's attention itself, so a step over any
+        other backend (the reference oracle) goes through that backend. Built once per dtype and cache
+        shape: it holds the weight tensors, so after replacing one (not editing it in place) call
+        :meth:`prepack` again, as for the packed copies."""
+        model = self.model
+        if (
+            h.shape[0] > cpu_kernels.MAX_SMALL_ROWS[h.dtype] or metadata.max_query_len != 1
+            or metadata.num_actual_tokens != metadata.num_reqs
+            or getattr(model.layers[0].self_attn.attn_backend, "name", None) != SegmentedAttentionBackend.name
+        ):
+            return None
+        key = (h.dtype, kv_caches[0].shape, len(kv_caches))
+        if self._stack_key != key:
+            self._stack_key = key
+            self._stack = None
+            c = model.config
+            if all(cpu_kernels.supports_cache(kv, h.dtype, c.num_attention_heads) for kv in kv_caches):
+                try:
+                    self._stack = cpu_kernels.DecodeStack(
+                        decode_stack_layers(model, kv_caches), c.num_attention_heads, c.num_key_value_heads,
+                        c.head_dim, c.rms_norm_eps,
+                    )
+                except ValueError:  # a shape the whole-step kernel does not take: per-layer path
+                    self._stack = None
+        return self._stack
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``
+        (equal within summation order; bfloat16 packed results bitwise)."""
+        weight = self.model.lm_head_weight
+        if (
+            hidden.dtype == weight.dtype
+            and hidden.shape[0] <= cpu_kernels.MAX_SMALL_ROWS.get(hidden.dtype, 0)
+            and hidden.device.type == "cpu" and cpu_kernels.supports_linear(weight) and cpu_kernels.enabled()
+        ):
+            return cpu_kernels.linear(hidden.contiguous(), weight, out_dtype=torch.float32)
+        packed = self._packed_lm_head
+        if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
+            return packed_linear(hidden, packed, None).float()
+        return self.model.compute_logits(hidden)
+
+    def _kernels_fit(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a step with activations of ``dtype`` on ``device`` can use the compiled CPU kernels:
+        switched on and built, a supported dtype on the CPU, and weights of that dtype in shapes the
+        kernels take (asked once per dtype)."""
+        if dtype not in cpu_kernels.MAX_SMALL_ROWS or device.type != "cpu" or not cpu_kernels.enabled():
+            return False
+        model = self.model
+        if model.layers[0].self_attn.qkv_proj.weight.dtype != dtype:
+            return False
+        fits = self._kernel_fit.get(dtype)
+        if fits is None:
+            fits = model.config.head_dim <= _MAX_ROPE_HEAD_DIM and all(
+                cpu_kernels.supports_linear(m.weight) and m.weight.dtype == dtype for m in _linears(model)
+            )
+            self._kernel_fit[dtype] = fits
+        return fits
+
+
+def forward_small(
+    layer: LlamaDecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """``layer`` for a few rows in compiled linears that stream each weight once, with the norms, the
+    SiLU gate and the residual adds fused in: ``h`` ``(T, H)`` contiguous, ``T <= MAX_SMALL_ROWS``,
+    updated in place and returned; ``cos``/``sin`` ``(T, D)`` float32 rows of the RoPE table."""
+    attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    qkv = cpu_kernels.linear(
+        h, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="rmsnorm", norm_weight=ln1.weight, eps=ln1.eps,
+    )  # (T, (Hq + 2 Hkv) D)
+    out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
+    cpu_kernels.linear(out, attn.o_proj.weight, residual=h)  # h += o_proj(out)
+    gate_up = cpu_kernels.linear(
+        h, mlp.gate_up_proj.weight, prologue="rmsnorm", norm_weight=ln2.weight, eps=ln2.eps
+    )  # (T, 2 I)
+    return cpu_kernels.linear(gate_up, mlp.down_proj.weight, prologue="silu_mul", residual=h)
+
+
+def decode_stack_layers(model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> list[tuple]:
+    """Per layer, the tensors ``cpu_kernels.DecodeStack`` reads, in its order: ``(ln1 (H,), qkv
+    (Nqkv, H), qkv_bias (Nqkv,) or None, o (H, Hq D), ln2 (H,), gate_up (2 I, H), down (H, I),
+    kv_cache)``; ``kv_caches`` one per layer."""
+    return [
+        tuple(None if t is None else t.detach() for t in (
+            ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
+            ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight, ly.mlp.gate_up_proj.weight,
+            ly.mlp.down_proj.weight, kv,
+        ))
+        for ly, kv in zip(model.layers, kv_caches, strict=True)
+    ]
+
+
+def _linears(model: LlamaForCausalLM) -> list[PackedLinear]:
+    return [m for m in model.modules() if isinstance(m, PackedLinear)]
