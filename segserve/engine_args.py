@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 
+
 def _gib(text: str) -> float:
     """``--kv-cache-memory``: a finite number of GiB > 0 (the error names the flag and its unit)."""
     try:
