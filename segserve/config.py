@@ -202,3 +202,30 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         """Columns of a block-table row: ``cdiv(max_model_len, block_size)``."""
         return cdiv(self.scheduler.max_model_len, self.cache.block_size)
+
+
+def num_kv_blocks_for(config: EngineConfig, kv_bytes_per_token: int) -> int:
+    """Blocks in the KV pool, the null block 0 included: ``config.cache.num_kv_blocks`` when set,
+    else as many blocks as fit ``kv_cache_memory_bytes``, capped at what ``max_num_seqs`` requests
+    of ``max_model_len`` tokens can hold (``max_blocks_per_seq`` each; more could never be used),
+    plus the null block.
+
+    Args:
+        config: the settled engine configuration (``max_model_len`` known).
+        kv_bytes_per_token: K and V bytes one token occupies over all layers (``2 * L * Hkv * D *
+            itemsize``), bytes.
+
+    Raises:
+        ValueError: when ``kv_cache_memory_bytes`` is below one block.
+    """
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    bytes_per_block = kv_bytes_per_token * cache.block_size
+    fit = cache.kv_cache_memory_bytes // bytes_per_block
+    if fit < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} is below one block "
+            f"({bytes_per_block} bytes)"
+        )
+    return min(fit, config.scheduler.max_num_seqs * config.max_blocks_per_seq) + 1

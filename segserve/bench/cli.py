@@ -22,12 +22,12 @@ DEFAULT_MAX_MODEL_LEN = 8_192
 
 def register(subparsers: Any) -> None:
     """Add ``bench`` with its ``throughput`` and ``serve`` subcommands."""
-    from segserve.entrypoints.engine_args import add_engine_args
+    from segserve.engine_args import EngineArgs
 
     bench = subparsers.add_parser("bench", help="benchmarks: offline throughput, online serving")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = sub.add_parser("throughput", help="offline throughput, optionally vs transformers in the same run")
-    add_engine_args(tp)
+    EngineArgs.add_cli_args(tp)
     _workload_args(tp)
     tp.add_argument("--baseline", choices=["none", "hf"], default="none", help="hf: transformers, same run")
     tp.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf baseline")
@@ -90,11 +90,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     """Build the engine and the workload, run segserve (and the baselines), print one line."""
     from segserve import LLMEngine
     from segserve.bench import throughput as tp
-    from segserve.entrypoints.engine_args import engine_kwargs
+    from segserve.engine_args import EngineArgs
 
     if args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
-    engine = LLMEngine(**engine_kwargs(args))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     vocab = engine.loaded.config.vocab_size
     workload = _workload(args, vocab, engine.max_model_len, engine.tokenizer)
     progress = not args.no_progress

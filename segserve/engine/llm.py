@@ -21,10 +21,12 @@ class LLM:
 
     Args:
         model: GGUF file, Hugging Face directory, or None for the default SmolLM2-135M-Instruct.
-        **engine_kwargs: any ``LLMEngine`` argument (``dtype``, ``block_size``, ``num_kv_blocks``,
-            ``kv_cache_memory_bytes``, ``max_model_len``, ``max_num_batched_tokens``,
-            ``max_num_seqs``, ``enable_prefix_caching``, ``long_prefill_token_threshold``,
-            ``kv_segment_size``, ``num_batched_tokens_buckets``, ``attention_backend``, ``seed``, ...).
+        **engine_kwargs: any ``LLMEngine`` argument, i.e. any ``EngineArgs`` field (``dtype``,
+            ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``max_model_len``,
+            ``max_num_batched_tokens``, ``max_num_seqs``, ``enable_prefix_caching``,
+            ``long_prefill_token_threshold``, ``kv_segment_size``, ``num_batched_tokens_buckets``,
+            ``attention_backend``, ``scheduling_policy``, ``max_num_partial_prefills``,
+            ``attention_cost_tokens``, ``seed``).
     """
 
     def __init__(self, model: Any = None, **engine_kwargs: Any) -> None:

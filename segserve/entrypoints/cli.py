@@ -8,7 +8,7 @@ import sys
 import time
 from importlib import resources
 
-from segserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from segserve.engine_args import EngineArgs
 
 # Each module defines ``register(subparsers)`` adding its subcommand; imports stay light (no torch).
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer questions about a document (or plain prompts), streaming",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument(
         "--document", default=None, help="text file the questions are about (default: Apache-2.0)"
     )
@@ -82,7 +82,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     conversations = _messages(args)  # read the document before the model loads: fail fast
-    engine = LLMEngine(**engine_kwargs(args))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     print(f"[segserve] loaded in {time.perf_counter() - t0:.1f} s: {engine.describe()}", flush=True)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     for i, messages in enumerate(conversations):

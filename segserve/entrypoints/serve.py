@@ -6,13 +6,13 @@ import argparse
 import logging
 import time
 
-from segserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from segserve.engine_args import EngineArgs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     srv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
-    add_engine_args(srv)
+    EngineArgs.add_cli_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -40,7 +40,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
-    llm_engine = LLMEngine(**engine_kwargs(args))
+    llm_engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     log = logging.getLogger("segserve")
     log.info("loaded in %.1f s: %s", time.perf_counter() - t0, llm_engine.describe())
     app, engine = make_server(

@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from segserve.entrypoints.engine_args import add_engine_args
+from segserve.engine_args import EngineArgs
 
 ROOFLINE_MODELS = ("llama-8b", "smollm2-135m")
 
@@ -94,7 +94,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sim_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     g = p.add_argument_group("simulation")
     g.add_argument("--profile", default=None, help="step-time profile JSON (default: a built-in CPU guess)")
     g.add_argument("--num-replicas", type=int, default=1)
@@ -147,27 +147,13 @@ def load_workload(args: argparse.Namespace):
 
 
 def build_config(args: argparse.Namespace, reqs):
-    """EngineConfig from the engine flags; max_model_len defaults to the longest request."""
-    from segserve.config import AttentionConfig, CacheConfig, EngineConfig, SchedulerConfig
+    """EngineConfig from the engine flags; max_model_len defaults to the longest request.
 
+    The simulated model has no context length of its own: ``--max-model-len`` when given, else the
+    longest request (at least 2 tokens), stands in for it.
+    """
     longest = max(r.input_len + r.output_len for r in reqs)
-    return EngineConfig(
-        cache=CacheConfig(
-            args.block_size,
-            args.num_kv_blocks,
-            int(args.kv_cache_memory * 1024**3),
-            args.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len or max(longest, 2),
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            policy=args.scheduling_policy,
-            attention_cost_tokens=args.attention_cost_tokens,
-        ),
-        attention=AttentionConfig(args.attention_backend, args.kv_segment_size),
-    )
+    return EngineArgs.from_cli_args(args).create_engine_config(args.max_model_len or max(longest, 2))
 
 
 def _step_model(args: argparse.Namespace):
@@ -176,17 +162,11 @@ def _step_model(args: argparse.Namespace):
     return load_profile(args.profile) if args.profile else DEFAULT_CPU_MODEL
 
 
-def _kv_blocks(step_model, args):
-    from segserve.simulator.replica import default_num_kv_blocks
+def _kv_blocks(step_model):
+    """Pool size of a configuration, as the engine would choose it for the profile's model."""
+    from segserve.config import num_kv_blocks_for
 
-    def blocks(cfg) -> int:
-        if cfg.cache.num_kv_blocks is not None:
-            return cfg.cache.num_kv_blocks
-        return default_num_kv_blocks(
-            cfg, step_model.model.kv_bytes_per_token, cfg.cache.kv_cache_memory_bytes
-        )
-
-    return blocks
+    return lambda cfg: num_kv_blocks_for(cfg, step_model.model.kv_bytes_per_token)
 
 
 def _finite(d: dict) -> dict:
@@ -201,7 +181,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     reqs = load_workload(args)
     cfg = build_config(args, reqs)
     model = _step_model(args)
-    num_blocks = _kv_blocks(model, args)(cfg)
+    num_blocks = _kv_blocks(model)(cfg)
     slos = parse_slo(args.slo) if args.slo else None
     extra = {}
     if args.disaggregated:
@@ -282,13 +262,16 @@ def _write_outputs(args, result: dict, steps) -> None:
 
 def _run_real(args, reqs, cfg, num_blocks, slos) -> dict:
     """The same workload on the real engine (in-process, real time); its ``summarize`` dict."""
+    from dataclasses import replace
+
     from segserve import LLMEngine
-    from segserve.entrypoints.engine_args import engine_kwargs
     from segserve.simulator.metrics import summarize
     from segserve.simulator.replay import replay
 
-    kw = engine_kwargs(args) | {"num_kv_blocks": num_blocks, "max_model_len": cfg.scheduler.max_model_len}
-    engine = LLMEngine(**kw)
+    engine_args = replace(
+        EngineArgs.from_cli_args(args), num_kv_blocks=num_blocks, max_model_len=cfg.scheduler.max_model_len
+    )
+    engine = LLMEngine.from_engine_args(engine_args)
     _warm_up(engine)
     records, samples = replay(engine, reqs, log=lambda m: print(m, file=sys.stderr))
     if args.real_samples_out:
@@ -335,7 +318,7 @@ def run_tune(args: argparse.Namespace) -> int:
     grid = settings(_ints(args.budgets, "--budgets"), args.policies.split(","), _ints(args.caps, "--caps", 0))
     base = build_config(args, reqs)
     model = _step_model(args)
-    blocks = _kv_blocks(model, args)
+    blocks = _kv_blocks(model)
     best, rows = tune(reqs, base, blocks, model, slos, grid, args.num_replicas, args.router)
     out = {
         "slo": args.slo,

@@ -79,23 +79,6 @@ class StepRecord:
     num_preempted: int
 
 
-def default_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, kv_cache_memory_bytes: int) -> int:
-    """Pool size the engine would choose (``LLMEngine._num_kv_blocks``'s rule): what fits the memory
-    budget, capped at ``max_num_seqs`` full-length rows, plus the null block.
-
-    Raises:
-        ValueError: when not even one block fits.
-    """
-    per_block = kv_bytes_per_token * config.cache.block_size
-    fit = kv_cache_memory_bytes // per_block
-    if fit < 1:
-        raise ValueError(
-            f"kv_cache_memory_bytes={kv_cache_memory_bytes} is below one block ({per_block} bytes)"
-        )
-    rows = config.scheduler.max_num_seqs * cdiv(config.scheduler.max_model_len, config.cache.block_size)
-    return min(fit, rows) + 1
-
-
 def composition(scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool = True) -> StepComposition:
     """The step's composition, read after ``schedule()`` (which already advanced each request's
     ``num_computed_tokens`` by its scheduled tokens); ``decodes_gather`` as in

@@ -53,6 +53,19 @@ def test_simulate_writes_json_trace_and_plot(tmp_path, profile, capsys):
     assert capsys.readouterr().out.startswith("[simulate] completed=30 failed=0")
 
 
+def test_simulate_settles_max_model_len_from_the_workload_or_the_flag():
+    from segserve.entrypoints.cli import build_parser
+    from segserve.simulator.cli import build_config, load_workload
+
+    parser = build_parser()
+    args = parser.parse_args(["simulate", *TINY, "--max-num-partial-prefills", "2"])
+    cfg = build_config(args, load_workload(args))
+    assert cfg.scheduler.max_model_len == 312  # 300 + 12: the longest request
+    assert cfg.scheduler.max_num_partial_prefills == 2
+    args = parser.parse_args(["simulate", *TINY, "--max-model-len", "100000"])
+    assert build_config(args, load_workload(args)).scheduler.max_model_len == 100000  # no model to exceed
+
+
 def test_tune_picks_a_feasible_setting(tmp_path, profile, capsys):
     out = tmp_path / "tune.json"
     rc = main(

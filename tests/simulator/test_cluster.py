@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from segserve.config import EngineConfig, SchedulerConfig
+from segserve.config import CacheConfig, EngineConfig, SchedulerConfig, num_kv_blocks_for
 from segserve.simulator.cluster import Router, simulate
 from segserve.simulator.metrics import summarize
-from segserve.simulator.replica import default_num_kv_blocks
 from segserve.simulator.step_model import DEFAULT_CPU_MODEL
 from segserve.simulator.workload import TraceRequest, load_trace
 from tests.simulator.helpers import ONE_SECOND_STEPS, config
@@ -64,8 +63,12 @@ def test_unknown_router():
 
 def test_thousand_request_trace():
     reqs = load_trace("/work/shared/data/traces/azure2023_conv.csv", limit=1000)
-    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_model_len=8192))
-    blocks = default_num_kv_blocks(cfg, DEFAULT_CPU_MODEL.model.kv_bytes_per_token, 4 * 1024**3)
+    cfg = EngineConfig(
+        cache=CacheConfig(kv_cache_memory_bytes=4 * 1024**3),
+        scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_model_len=8192),
+    )
+    blocks = num_kv_blocks_for(cfg, DEFAULT_CPU_MODEL.model.kv_bytes_per_token)
+    assert blocks == 4 * 1024**3 // (46080 * 16) + 1 == 5826  # what fits; 64 rows of 512 would be more
     res = simulate(reqs, cfg, blocks, DEFAULT_CPU_MODEL, num_replicas=2, router="least_loaded")
     s = summarize(res.requests)
     assert s["completed"] == 1000 and s["failed"] == 0

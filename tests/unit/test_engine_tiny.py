@@ -82,6 +82,46 @@ def test_engine_settings_are_checked(tiny):
         LLM(model=str(root / "hf"), attention_backend="flash")
 
 
+def test_engine_builds_through_engine_args_the_same_from_keywords_and_flags(tiny):
+    # The tiny model: 2 layers x 2 KV heads x 16 dims, float32: 512 bytes a token, 2,048 a 4-token block.
+    from segserve import LLMEngine
+    from segserve.engine_args import EngineArgs
+    from segserve.entrypoints.cli import build_parser
+
+    _, root = tiny
+    path = str(root / "hf")
+    keywords = LLMEngine(
+        path, block_size=4, max_num_seqs=3, max_model_len=64, max_num_partial_prefills=2,
+        scheduling_policy="prefill_first",
+    )  # fmt: skip
+    argv = ["generate", "--model", path, "--block-size", "4", "--max-num-seqs", "3", "--max-model-len", "64",
+            "--max-num-partial-prefills", "2", "--scheduling-policy", "prefill_first"]
+    flags = LLMEngine.from_engine_args(EngineArgs.from_cli_args(build_parser().parse_args(argv)))
+    assert flags.config == keywords.config
+    assert keywords.config.scheduler.max_num_partial_prefills == 2
+    assert keywords.num_kv_blocks == flags.num_kv_blocks == 3 * 16 + 1  # 3 rows of 64 / 4 blocks, + null
+    # max_model_len unset: the model's 128; the pool is what 10.99 blocks of memory hold, + null.
+    sized = LLMEngine(keywords.loaded, block_size=4, kv_cache_memory_bytes=11 * 2048 - 1)
+    assert sized.max_model_len == 128 and sized.num_kv_blocks == 11
+    with pytest.raises(TypeError, match="max_num_batched_token"):
+        LLMEngine(keywords.loaded, max_num_batched_token=64)
+
+
+def test_engine_settings_fail_before_the_model_loads(monkeypatch):
+    import segserve.engine.llm_engine as llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the settings were checked")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_load)
+    with pytest.raises(ValueError, match="max_num_partial_prefills must be >= 1, got 0"):
+        llm_engine.LLMEngine(max_num_partial_prefills=0)
+    with pytest.raises(ValueError, match="attention_backend must be 'segmented' or 'reference'"):
+        llm_engine.LLMEngine(attention_backend="flash")
+    with pytest.raises(AssertionError, match="the model loaded"):
+        llm_engine.LLMEngine(max_model_len=10**9)  # only the model knows its context length
+
+
 def test_a_failing_step_aborts_its_requests_and_the_engine_keeps_serving(tiny, monkeypatch):
     hf, root = tiny
     llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)

