@@ -78,12 +78,13 @@ class Stepper:
         self.timeline.token_times[rid] = []
 
     def step(self) -> None:
-        stats = self.engine.scheduler.stats
-        before = stats.num_prompt_tokens_computed
+        sched = self.engine.scheduler
+        before = sched.make_stats().num_prompt_tokens_computed
         start = self.now()
         outs = self.engine.step()
         end = self.now()
-        self.timeline.steps.append((start, end - start, stats.num_prompt_tokens_computed - before))
+        prompt_tokens = sched.make_stats().num_prompt_tokens_computed - before
+        self.timeline.steps.append((start, end - start, prompt_tokens))
         for out in outs:
             n = len(out.outputs[0].token_ids)
             new = n - self._seen.get(out.request_id, 0)

@@ -115,17 +115,17 @@ def run_segserve(engine: Any, workload: Workload, progress: bool = True) -> Thro
     if engine.has_unfinished_requests():
         raise ValueError("the engine has unfinished requests; run the benchmark on an idle engine")
     _drain(engine, [("warmup", WARMUP_PROMPT, 2)])
-    stats, tally = engine.scheduler.stats, _Tally()
+    sched, tally = engine.scheduler, _Tally()
     start = time.perf_counter()
     for i, r in enumerate(workload.requests):
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
         engine.add_request(f"r{i}", list(r.prompt_token_ids), params)
     with tqdm(total=len(workload.requests), desc="segserve", unit="req", disable=not progress) as bar:
         while engine.has_unfinished_requests():
-            before, t0 = stats.num_prompt_tokens_computed, time.perf_counter()
+            before, t0 = sched.make_stats().num_prompt_tokens_computed, time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - t0
-            bar.update(tally.record(dt, stats.num_prompt_tokens_computed - before, outs))
+            bar.update(tally.record(dt, sched.make_stats().num_prompt_tokens_computed - before, outs))
     seconds = time.perf_counter() - start
     return ThroughputResult(
         "segserve", len(workload.requests), tally.prompt_tokens, tally.cached_tokens,

@@ -9,6 +9,23 @@ from segserve.core.kv_cache_utils import BlockHash
 from segserve.sampling_params import SamplingParams
 
 
+def is_decode(num_computed_tokens: int, num_prompt_tokens: int, num_tokens: int) -> bool:
+    """segserve's one definition of a decode: the request's only token left to compute is past its
+    prompt, so its step is a query of length 1 that samples the next token.
+
+    Used by the scheduler (decodes first; never refused for attention cost) and the simulator (a
+    decode slice). A prompt chunk, and a resumed request recomputing its outputs (past its prompt but
+    several tokens short), are not decodes. The segmented attention kernel runs every 1-token query
+    on its decode path, decodes and 1-token chunks alike: for attention the two are the same.
+
+    Args:
+        num_computed_tokens: tokens in the KV cache before the step (the prior), tokens.
+        num_prompt_tokens: prompt length, tokens.
+        num_tokens: prompt plus generated tokens, tokens.
+    """
+    return num_prompt_tokens <= num_computed_tokens == num_tokens - 1
+
+
 class RequestStatus(enum.Enum):
     """Lifecycle of a request; the ``FINISHED_*`` members carry its finish reason."""
 
@@ -89,6 +106,11 @@ class Request:
     def is_prefill(self) -> bool:
         """True while prompt tokens remain to be computed (seed 000, "Request State Tracking")."""
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """True when its next step is a decode (see :func:`is_decode`); read before the step."""
+        return is_decode(self.num_computed_tokens, self.num_prompt_tokens, self.num_tokens)
 
     @property
     def is_finished(self) -> bool:

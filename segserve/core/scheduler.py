@@ -2,10 +2,15 @@
 
 There is no prefill phase and no decode phase (vLLM v1's design): each request's
 ``num_computed_tokens`` catches up with its tokens under one ``max_num_batched_tokens`` budget per
-step. A decode costs one token; a prompt is computed in chunks (seed 003, chunked prefill); with
-``attention_cost_tokens`` set, chunks are also charged their attention cost (see ``_Budget``). With the
-default ``decode_first`` policy, running requests are served first (decodes, then continuing
-prefills) and waiting prompts top up the budget; ``prefill_first`` admits waiting prompts first.
+step. A decode (``Request.is_decode``: one token left, past the prompt) costs one token; a prompt
+is computed in chunks (seed 003, chunked prefill); with ``attention_cost_tokens`` set, chunks are
+also charged their attention cost (see ``_Budget``). With the default ``decode_first`` policy,
+running requests are served first (decodes, then continuing prefills) and waiting prompts top up the
+budget; ``prefill_first`` admits waiting prompts first.
+
+As in vLLM v1, ``schedule()`` decides (admission, allocation, preemption), builds the
+``SchedulerOutput`` from what it decided, then ``_update_after_schedule()`` advances the requests
+(``num_computed_tokens``) and the bookkeeping of what the runner holds.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from segserve.config import EngineConfig, SchedulerConfig, cdiv
-from segserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from segserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler_output import (
     CachedRequestData,
@@ -23,6 +28,7 @@ from segserve.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from segserve.core.scheduler_stats import SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -47,16 +53,21 @@ class EngineCoreOutput:
     prompt_logprobs: list | None = None
 
 
-@dataclass
-class SchedulerStats:
-    """Counters for logs and metrics (totals since start unless named otherwise)."""
+@dataclass(frozen=True)
+class _Scheduled:
+    """One request's part of the step being decided.
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    num_prompt_tokens_computed: int = 0
-    num_steps: int = 0
+    Attributes:
+        request: the request; its ``num_computed_tokens`` is still the prior (tokens before the
+            step) until ``_update_after_schedule``.
+        num_new_tokens: tokens it computes this step (>= 1).
+        new_blocks: blocks added to its block-table row this step (for a request admitted now,
+            the prefix-hit blocks it claimed, then the newly allocated ones).
+    """
+
+    request: Request
+    num_new_tokens: int
+    new_blocks: KVCacheBlocks
 
 
 class Scheduler:
@@ -85,7 +96,10 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         # Tokens appended since the runner last saw each request (the last sampled token).
         self._pending_tokens: dict[str, list[int]] = {}
-        self.stats = SchedulerStats()
+        # Totals since start, read through make_stats().
+        self._num_preemptions = 0
+        self._num_prompt_tokens_computed = 0
+        self._num_steps = 0
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -139,13 +153,32 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the queues, KV usage and counters: the one way metrics, logs, benchmarks and
+        the simulator read the scheduler's counters."""
+        prefix = self.kv_cache_manager.stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self._num_preemptions,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+            num_steps=self._num_steps,
+            prefix_cache=PrefixCacheStats(prefix.requests, prefix.queries, prefix.hits),
+        )
+
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step. Mutates request state (``num_computed_tokens`` advances now)."""
+        """Decide the next step and return it; the scheduled requests' ``num_computed_tokens`` have
+        advanced by their scheduled tokens when it returns (their priors are in the output).
+
+        Admits, allocates and preempts (request status, queues and blocks change), builds the
+        output from the decision, then ``_update_after_schedule`` advances the requests.
+        """
         budget = _Budget.for_step(self.sched)
         preempted: list[Request] = []
-        scheduled: list[tuple[Request, int, KVCacheBlocks]] = []
+        scheduled: list[_Scheduled] = []
         if self.sched.policy == "prefill_first":
             self._schedule_waiting(budget, scheduled)
             self._schedule_running(budget, scheduled, preempted)
@@ -153,31 +186,39 @@ class Scheduler:
             self._schedule_running(budget, scheduled, preempted)
             if not preempted:
                 self._schedule_waiting(budget, scheduled)
-        return self._make_output(scheduled, preempted)
+        scheduler_output = self._make_output(scheduled, preempted)
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
 
-    def _schedule_running(self, budget: _Budget, scheduled: list, preempted: list[Request]) -> None:
-        already = {id(r) for r, _, _ in scheduled}
-        # Decodes first (one token each), then continuing prefills, each group in arrival order.
-        order = sorted(
-            (r for r in self.running if id(r) not in already),
-            key=lambda r: r.num_tokens - r.num_computed_tokens > 1,
-        )
-        for request in order:
+    def _schedule_running(
+        self, budget: _Budget, scheduled: list[_Scheduled], preempted: list[Request]
+    ) -> None:
+        already = {id(s.request) for s in scheduled}
+        # Decodes first (one token each), then continuing prefills and recomputes, each group in
+        # arrival order (the sort is stable). A request's decode-ness holds for the whole loop: its
+        # state advances only after the step is decided (a preempted one is skipped below).
+        order = [(r, r.is_decode) for r in self.running if id(r) not in already]
+        order.sort(key=lambda entry: not entry[1])
+        for request, is_decode in order:
             if request.status != RequestStatus.RUNNING or budget.left == 0:
                 continue
             wanted = min(request.num_tokens - request.num_computed_tokens, self.sched.chunk_cap)
-            is_decode = request.num_computed_tokens >= request.num_prompt_tokens
             num_new = budget.grant(wanted, request.num_computed_tokens, is_decode)
             if num_new == 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new, budget, scheduled, preempted)
             if new_blocks is None:
                 continue
-            scheduled.append((request, num_new, new_blocks))
+            scheduled.append(_Scheduled(request, num_new, new_blocks))
             budget.charge(num_new, request.num_computed_tokens)
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, budget: _Budget, scheduled: list, preempted: list[Request]
+        self,
+        request: Request,
+        num_new: int,
+        budget: _Budget,
+        scheduled: list[_Scheduled],
+        preempted: list[Request],
     ) -> KVCacheBlocks | None:
         """Allocate for a running request, preempting the newest running requests until it fits.
 
@@ -188,22 +229,27 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks
             victim = self.running[-1]
-            for i, (r, n, _) in enumerate(scheduled):
-                if r is victim:  # already scheduled this step: give its tokens back
+            for i, s in enumerate(scheduled):
+                if s.request is victim:  # already scheduled this step: give its tokens back
                     del scheduled[i]
-                    budget.refund(n, r.num_computed_tokens)
+                    budget.refund(s.num_new_tokens, victim.num_computed_tokens)
                     break
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, budget: _Budget, scheduled: list) -> None:
-        num_partial = sum(1 for r, n, _ in scheduled if r.num_computed_tokens + n < r.num_tokens)
+    def _schedule_waiting(self, budget: _Budget, scheduled: list[_Scheduled]) -> None:
+        num_partial = sum(
+            1 for s in scheduled if s.request.num_computed_tokens + s.num_new_tokens < s.request.num_tokens
+        )
         while self.waiting and budget.left > 0 and len(self.running) < self.sched.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit
+            # Admission is always cost-capped (is_decode=False), also where a prefix hit leaves a
+            # resumed request one token (a decode by definition): kept so the cost budget admits
+            # exactly what it admitted before decodes had one definition.
             num_new = budget.grant(min(remaining, self.sched.chunk_cap), num_hit)
             if num_new == 0:
                 break
@@ -219,7 +265,8 @@ class Scheduler:
             self.kv_cache_manager.record_lookup(request, num_hit)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
-            scheduled.append((request, num_new, KVCacheBlocks(hit_blocks.blocks + new_blocks.blocks)))
+            claimed = KVCacheBlocks(hit_blocks.blocks + new_blocks.blocks)
+            scheduled.append(_Scheduled(request, num_new, claimed))
             num_partial += num_new < remaining
             budget.charge(num_new, num_hit)
 
@@ -230,7 +277,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.stats.num_preemptions += 1
+        self._num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _free(self, request: Request) -> None:
@@ -242,17 +289,20 @@ class Scheduler:
         if request.is_finished:
             self.requests.pop(request.request_id, None)
 
-    def _make_output(self, scheduled: list, preempted: list[Request]) -> SchedulerOutput:
+    def _make_output(self, scheduled: list[_Scheduled], preempted: list[Request]) -> SchedulerOutput:
+        """The step's output built from the decision; reads state, changes none (the requests'
+        ``num_computed_tokens`` are still their priors, which the request data carries)."""
         new_reqs, cached_reqs, num_tokens = [], [], {}
-        for request, num_new, blocks in scheduled:
+        for s in scheduled:
+            request = s.request
             rid = request.request_id
-            num_tokens[rid] = num_new
+            num_tokens[rid] = s.num_new_tokens
             if rid in self._in_runner:
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=rid,
-                        new_token_ids=tuple(self._pending_tokens.pop(rid, ())),
-                        new_block_ids=tuple(blocks.get_block_ids()),
+                        new_token_ids=tuple(self._pending_tokens.get(rid, ())),
+                        new_block_ids=tuple(s.new_blocks.get_block_ids()),
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
@@ -267,12 +317,6 @@ class Scheduler:
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
-                self._pending_tokens.pop(rid, None)
-                self._in_runner.add(rid)
-            computed = request.num_computed_tokens
-            prompt_end = min(computed + num_new, request.num_prompt_tokens)
-            self.stats.num_prompt_tokens_computed += max(0, prompt_end - computed)
-            request.num_computed_tokens = computed + num_new
         total = sum(num_tokens.values())
         padded = self.sched.padded_num_tokens(total) if total else 0
         num_padded = dict(num_tokens)
@@ -280,9 +324,6 @@ class Scheduler:
             # Padding rows sit after the last request's rows in the batch (cached reqs come first).
             last = new_reqs[-1].req_id if new_reqs else cached_reqs[-1].req_id
             num_padded[last] += padded - total
-        finished = frozenset(self._finished_since_last_step)
-        self._finished_since_last_step = set()
-        self.stats.num_steps += 1
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -291,8 +332,24 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             total_num_scheduled_tokens_padded=padded,
             preempted_req_ids=frozenset(r.request_id for r in preempted),
-            finished_req_ids=finished,
+            finished_req_ids=frozenset(self._finished_since_last_step),
         )
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Advance each scheduled request's ``num_computed_tokens`` by its scheduled tokens (vLLM v1's
+        split: the runner computes them next, so the scheduler counts them now) and note what the
+        runner will hold: the pending tokens it is sent, the requests it is sent in full, the
+        finished ids it is told to drop. Also counts the step and its prompt tokens."""
+        for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            prior = request.num_computed_tokens  # the output's prior: nothing moved it since
+            prompt_end = min(prior + num_new, request.num_prompt_tokens)
+            self._num_prompt_tokens_computed += max(0, prompt_end - prior)
+            request.num_computed_tokens = prior + num_new
+            self._pending_tokens.pop(rid, None)
+        self._in_runner.update(data.req_id for data in scheduler_output.scheduled_new_reqs)
+        self._finished_since_last_step = set()
+        self._num_steps += 1
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -358,8 +415,14 @@ class Scheduler:
 
     # ---- invariants ----------------------------------------------------------------------------
 
-    def check_integrity(self) -> None:
-        """Assert queue, request and cache invariants (raises AssertionError)."""
+    def check_integrity(self, scheduler_output: SchedulerOutput | None = None) -> None:
+        """Assert queue, request and cache invariants (raises AssertionError).
+
+        Args:
+            scheduler_output: the last ``schedule()``'s output, to check also that each of its
+                requests still running has advanced by exactly its scheduled tokens from the prior
+                the output carries.
+        """
         self.kv_cache_manager.check_integrity()
         running = {r.request_id for r in self.running}
         waiting = {r.request_id for r in self.waiting}
@@ -368,8 +431,16 @@ class Scheduler:
         assert running | waiting == set(self.requests), "request table out of sync with the queues"
         held = set(self.kv_cache_manager.req_to_blocks)
         assert held <= running, f"blocks held by requests that are not running: {held - running}"
+        # What _update_after_schedule notes about the runner: it holds only running requests, has
+        # pending tokens only for those, and is never told to drop a request it still holds.
+        assert self._in_runner <= running, f"runner holds non-running {self._in_runner - running}"
+        pending = set(self._pending_tokens)
+        assert pending <= self._in_runner, f"pending tokens for requests not in the runner: {pending}"
+        dropped = self._in_runner & self._finished_since_last_step
+        assert not dropped, f"requests both held by the runner and finished: {dropped}"
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
+            assert request.num_computed_tokens <= request.num_tokens, f"{request.request_id} ran ahead"
             blocks = self.kv_cache_manager.req_to_blocks.get(request.request_id, [])
             assert len(blocks) * self.block_size >= request.num_computed_tokens, (
                 f"{request.request_id}: {len(blocks)} blocks, {request.num_computed_tokens} computed tokens"
@@ -380,6 +451,16 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0, f"waiting {request.request_id} has computed tokens"
+        if scheduler_output is not None:
+            priors = scheduler_output.num_prior_tokens()
+            assert priors.keys() == scheduler_output.num_scheduled_tokens.keys(), "request data out of sync"
+            for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+                request = self.requests.get(rid)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    assert request.num_computed_tokens == priors[rid] + num_new, (
+                        f"{rid}: {request.num_computed_tokens} computed tokens, but the step scheduled "
+                        f"{num_new} after {priors[rid]}"
+                    )
 
 
 @dataclass
@@ -405,10 +486,10 @@ class _Budget:
     def grant(self, wanted: int, prior: int, is_decode: bool = False) -> int:
         """Tokens for a request that wants ``wanted`` tokens after ``prior`` computed ones (0: none).
 
-        Capped by the tokens left and, for a prefill chunk, by the cost left. A decode is never
-        refused for cost (skipping it would only add inter-token latency); a step that has nothing
-        yet gives a chunk at least 1 token, so a prompt progresses even where one token of it costs
-        more than the whole budget.
+        Capped by the tokens left and, for a prefill or recompute chunk, by the cost left. A decode
+        (``is_decode``, as ``Request.is_decode``) is never refused for cost (skipping it would only
+        add inter-token latency); a step that has nothing yet gives a chunk at least 1 token, so a
+        prompt progresses even where one token of it costs more than the whole budget.
         """
         n = min(wanted, self.left)
         if not self.cost_k or is_decode or n == 0:

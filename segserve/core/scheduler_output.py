@@ -18,7 +18,8 @@ class NewRequestData:
             KV is recomputed like prompt tokens.
         sampling_params: how to sample.
         block_ids: the request's whole block-table row so far (prefix hits first, then new blocks).
-        num_computed_tokens: tokens already in the KV cache (prefix-cache hits), block-aligned.
+        num_computed_tokens: tokens in its KV cache before this step (its prior): the prefix-cache
+            hits claimed when it was admitted, block-aligned (0 without a hit).
     """
 
     req_id: str
@@ -38,7 +39,7 @@ class CachedRequestData:
         new_token_ids: tokens appended since the runner last saw the request (the token sampled
             last step), to be fed as input now.
         new_block_ids: block ids appended to its block-table row this step (append-only).
-        num_computed_tokens: tokens in the KV cache before this step.
+        num_computed_tokens: tokens in its KV cache before this step (its prior).
     """
 
     req_id: str
@@ -79,6 +80,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def num_prior_tokens(self) -> dict[str, int]:
+        """req_id -> tokens in its KV cache before this step (the ``num_computed_tokens`` of its
+        new or cached request data), in batch order. ``schedule()`` has already advanced the
+        requests themselves, so this is where a reader of the step finds where each one started."""
+        priors = {c.req_id: c.num_computed_tokens for c in self.scheduled_cached_reqs}
+        priors.update((n.req_id, n.num_computed_tokens) for n in self.scheduled_new_reqs)
+        return priors
 
 
 @dataclass(frozen=True)

@@ -236,11 +236,9 @@ class LLMEngine:
         for observe in self.schedule_observers:
             observe(so)
         now = time.monotonic()
-        for rid, n in so.num_scheduled_tokens.items():
-            req = self.scheduler.requests[rid]
-            self.output_processor.record_scheduled(
-                rid, req.num_computed_tokens - n < req.num_prompt_tokens, now
-            )
+        for rid, prior in so.num_prior_tokens().items():
+            had_prompt_tokens = prior < self.scheduler.requests[rid].num_prompt_tokens
+            self.output_processor.record_scheduled(rid, had_prompt_tokens, now)
         try:
             runner_output = self.runner.execute_model(so)
         except Exception:

@@ -282,7 +282,7 @@ def _run_real(args, reqs, cfg, num_blocks, slos) -> dict:
                 "decode_gathers": engine_decodes_gather(engine)}
         Path(args.real_samples_out).write_text(json.dumps(data), encoding="utf-8")
     summary = summarize(records, slos)
-    summary["num_preemptions"] = engine.scheduler.stats.num_preemptions
+    summary["num_preemptions"] = engine.scheduler.make_stats().num_preemptions
     summary["num_steps"] = len(samples)
     summary["mean_step_time_ms"] = 1000 * sum(t for _, t in samples) / max(len(samples), 1)
     return summary

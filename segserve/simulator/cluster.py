@@ -143,7 +143,7 @@ def simulate(
             pos += 1
         else:
             steps.append(nxt.step())
-    stats = [r.scheduler.kv_cache_manager.stats for r in replicas]
+    stats = [r.scheduler.make_stats().prefix_cache for r in replicas]
     queries = sum(s.queries for s in stats)
     hit_rate = sum(s.hits for s in stats) / queries if queries else 0.0
     return SimResult(

@@ -125,7 +125,7 @@ def simulate_disaggregated(
                     transfer_s.append(seconds)
                     heapq.heappush(transfers, (rec.token_times[-1] + seconds, i))
     # The prefill pool's hits are the prefix-cache reuse; the decode pool "hits" every transferred prompt.
-    stats = [r.scheduler.kv_cache_manager.stats for r in pre]
+    stats = [r.scheduler.make_stats().prefix_cache for r in pre]
     queries = sum(s.queries for s in stats)
     hit = sum(s.hits for s in stats) / queries if queries else 0.0
     result = SimResult(

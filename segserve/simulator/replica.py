@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from segserve.attention.plan import gathered_tokens
 from segserve.config import EngineConfig, cdiv
-from segserve.core.request import Request
+from segserve.core.request import Request, is_decode
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from segserve.sampling_params import SamplingParams
@@ -80,16 +80,17 @@ class StepRecord:
 
 
 def composition(scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool = True) -> StepComposition:
-    """The step's composition, read after ``schedule()`` (which already advanced each request's
-    ``num_computed_tokens`` by its scheduled tokens); ``decodes_gather`` as in
+    """The step's composition, read after ``schedule()``: each request's prior from ``out``, its
+    lengths from the scheduler (tokens are appended only after the step); ``decodes_gather`` as in
     :func:`segmented_gather_tokens`."""
     slices = []
+    priors = out.num_prior_tokens()
     for rid, n in out.num_scheduled_tokens.items():
         req = scheduler.requests[rid]
-        prior = req.num_computed_tokens - n
+        prior = priors[rid]
         slices.append(
             RequestSlice(
-                prior, n, n == 1 and prior >= req.num_prompt_tokens, req.num_computed_tokens >= req.num_tokens
+                prior, n, is_decode(prior, req.num_prompt_tokens, req.num_tokens), prior + n >= req.num_tokens
             )
         )
     held = scheduler.kv_cache_manager.req_to_blocks
@@ -145,9 +146,9 @@ def segmented_gather_tokens(
 def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
     """``FAKE_TOKEN`` for each request whose scheduled tokens reach its last token, none otherwise."""
     sampled = {}
-    for rid in out.num_scheduled_tokens:
-        req = scheduler.requests[rid]
-        if req.num_computed_tokens >= req.num_tokens:
+    priors = out.num_prior_tokens()
+    for rid, n in out.num_scheduled_tokens.items():
+        if priors[rid] + n >= scheduler.requests[rid].num_tokens:
             sampled[rid] = [FAKE_TOKEN]
     return ModelRunnerOutput(sampled_token_ids=sampled)
 
@@ -231,6 +232,7 @@ class Replica:
             rec = self.records[rid]
             if rec.first_scheduled is None:
                 rec.first_scheduled = start
+        stats = sched.make_stats()
         rec_step = StepRecord(
             self.index,
             start,
@@ -240,9 +242,9 @@ class Replica:
             comp.num_decodes,
             comp.num_prefill_tokens,
             len(comp.slices),
-            len(sched.running),
-            len(sched.waiting),
-            sched.kv_cache_manager.usage,
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_cache_usage,
             len(out.preempted_req_ids),
         )
         for rid in out.preempted_req_ids:

@@ -141,7 +141,7 @@ def test_preemption_on_a_small_pool_keeps_greedy_output(smollm, prompts, hf_gree
     trio = [doc_ids[:300], doc_ids[100:400], doc_ids[200:500]]
     eng = engine(smollm, num_kv_blocks=46, max_num_batched_tokens=512, enable_prefix_caching=False)
     outs = run_all(eng, trio)
-    assert eng.scheduler.stats.num_preemptions >= 1
+    assert eng.scheduler.make_stats().num_preemptions >= 1
     for i, p in enumerate(trio):
         assert outs[f"p{i}"].outputs[0].token_ids == hf_greedy(p)[0]
 

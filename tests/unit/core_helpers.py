@@ -47,7 +47,7 @@ def fake_runner_output(scheduler: Scheduler, out: SchedulerOutput, token: int = 
 def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     """One schedule + update, with ``check_integrity()`` after each half."""
     out = scheduler.schedule()
-    scheduler.check_integrity()
+    scheduler.check_integrity(out)
     scheduler.update_from_output(out, fake_runner_output(scheduler, out, token))
-    scheduler.check_integrity()
+    scheduler.check_integrity(out)
     return out

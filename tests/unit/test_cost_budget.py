@@ -106,3 +106,28 @@ def test_preemption_refunds_the_victims_cost():
     preempted = [o for o in outs if o.preempted_req_ids]
     assert preempted and preempted[0].preempted_req_ids == {"b"}
     assert preempted[0].num_scheduled_tokens == {"a": 1}
+
+
+def test_a_resumed_request_recomputing_its_outputs_is_charged_as_a_prefill():
+    # B = 8, K = 1: 72 token-equivalents (x K) per step. "new" (16-token prompt, blocks of 8) is
+    # preempted after 9 tokens; when it comes back its first prompt block is a prefix hit and it
+    # recomputes 8 prompt and 9 output tokens alone in its steps. Once past its prompt it still
+    # computes several tokens a step: cost-capped like any chunk, not waved through as a decode.
+    sched = make_scheduler(num_blocks=8, block_size=8, budget=8, attention_cost_tokens=1)
+    sched.add_request(make_request("old", list(range(16)), max_tokens=30))
+    sched.add_request(make_request("new", list(range(100, 116)), max_tokens=12))
+    resumed = None
+    while resumed is None:
+        out = step(sched)
+        resumed = next((r for r in out.scheduled_new_reqs if r.output_token_ids), None)
+    assert (resumed.req_id, resumed.num_computed_tokens, len(resumed.output_token_ids)) == ("new", 8, 9)
+    chunks, priors = [out.num_scheduled_tokens["new"]], [8]
+    while sched.requests["new"].num_computed_tokens < 25:
+        priors.append(sched.requests["new"].num_computed_tokens)
+        chunks.append(step(sched).num_scheduled_tokens["new"])
+    # Before the fix the chunk after 17 tokens got all 8 tokens left in the budget (cost 8 + 8 * 25
+    # = 208 of 72): [5, 4, 8].
+    assert chunks == [5, 4, 3, 3, 2]
+    assert priors == [8, 13, 17, 20, 23]
+    assert all(_scaled_cost(n, p, 1) <= 8 * 1 + 8 * 8 for n, p in zip(chunks, priors, strict=True))
+    assert [step(sched).num_scheduled_tokens["new"] for _ in range(2)] == [1, 1]  # decodes again

@@ -93,7 +93,7 @@ def test_preemption_frees_newest_and_requeues_it_at_front():
     assert sched.waiting[0].request_id == "new"
     assert sched.requests["new"].status == RequestStatus.PREEMPTED
     assert sched.requests["new"].num_computed_tokens == 0
-    assert sched.stats.num_preemptions == 1
+    assert sched.make_stats().num_preemptions == 1
     for _ in range(100):
         if not sched.has_unfinished_requests():
             break
@@ -191,7 +191,7 @@ def test_four_requests_on_a_pool_that_barely_fits_one_all_finish():
         assert steps < 1000
     # Bound: a request is preempted only by an older one that still runs, so each of the 4 can be
     # preempted at most once per older request finishing before it: at most 0+1+2+3 = 6.
-    assert 1 <= sched.stats.num_preemptions <= 6
+    assert 1 <= sched.make_stats().num_preemptions <= 6
     assert [len(r.output_token_ids) for r in reqs] == [40, 40, 40, 40]
     assert reqs[0].num_preemptions == 0
     assert sched.kv_cache_manager.pool.num_free_blocks == 8
@@ -204,5 +204,5 @@ def test_prefix_cache_stats_count_each_admitted_request_once():
     sched.add_request(make_request("b", list(range(64)) + [7] * 36, max_tokens=2))
     while sched.has_unfinished_requests():
         step(sched)
-    stats = sched.kv_cache_manager.stats
+    stats = sched.make_stats().prefix_cache
     assert (stats.requests, stats.queries, stats.hits) == (2, 200, 64)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from segserve.core.scheduler_stats import SchedulerStats
 from segserve.engine.async_engine import StepInfo
 from segserve.outputs import RequestOutput
 
@@ -25,11 +26,6 @@ logger = logging.getLogger("segserve")
 # Bucket edges, seconds: CPU serving spans milliseconds (a decode) to minutes (a long prompt queued).
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 80.0, 160.0)
-
-
-def _engine_gauges(engine) -> tuple[int, int, float]:
-    sched = engine.scheduler
-    return len(sched.running), len(sched.waiting), sched.kv_cache_manager.usage
 
 
 class EngineMetrics:
@@ -73,21 +69,20 @@ class EngineMetrics:
     def on_step(self, info: StepInfo) -> None:
         """Update gauges and counters from one step (engine thread)."""
         labels = self.labels
-        running, waiting, usage = _engine_gauges(info.engine)
-        self.running.labels(**labels).set(running)
-        self.waiting.labels(**labels).set(waiting)
-        self.kv_usage.labels(**labels).set(usage)
-        self._cache_and_preemption_deltas(info.engine)
+        stats = info.engine.scheduler.make_stats()
+        self.running.labels(**labels).set(stats.num_running)
+        self.waiting.labels(**labels).set(stats.num_waiting)
+        self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        self._cache_and_preemption_deltas(stats)
         for out in info.outputs:
             self._request_step(out, info.new_tokens.get(out.request_id, 0), info.now)
 
-    def _cache_and_preemption_deltas(self, engine) -> None:
-        stats = engine.scheduler.kv_cache_manager.stats
-        queries, hits = stats.queries, stats.hits
+    def _cache_and_preemption_deltas(self, stats: SchedulerStats) -> None:
+        queries, hits = stats.prefix_cache.queries, stats.prefix_cache.hits
         self.prefix_queries.labels(**self.labels).inc(queries - self._last_prefix[0])
         self.prefix_hits.labels(**self.labels).inc(hits - self._last_prefix[1])
         self._last_prefix = (queries, hits)
-        preemptions = engine.scheduler.stats.num_preemptions
+        preemptions = stats.num_preemptions
         self.preemptions.labels(**self.labels).inc(preemptions - self._last_preemptions)
         self._last_preemptions = preemptions
 
@@ -143,20 +138,21 @@ class StatLogger:
         elapsed = info.now - self._last_time
         if elapsed < self.interval_s:
             return
-        prompt = info.engine.scheduler.stats.num_prompt_tokens_computed
+        stats = info.engine.scheduler.make_stats()
+        prompt = stats.num_prompt_tokens_computed
         if prompt == self._last_prompt and not self._generated and not info.engine.has_unfinished_requests():
             self._last_time = info.now  # idle: say nothing, as vLLM does
             return
-        line = self.line(info.engine, (prompt - self._last_prompt) / elapsed, self._generated / elapsed)
+        line = self.line(stats, (prompt - self._last_prompt) / elapsed, self._generated / elapsed)
         logger.info(line)
         self._last_time, self._last_prompt, self._generated = info.now, prompt, 0
 
     @staticmethod
-    def line(engine, prompt_tps: float, gen_tps: float) -> str:
-        running, waiting, usage = _engine_gauges(engine)
-        hit_rate = engine.scheduler.kv_cache_manager.stats.hit_rate
+    def line(stats: SchedulerStats, prompt_tps: float, gen_tps: float) -> str:
+        """The log line for a scheduler snapshot and the interval's throughputs (tokens/s)."""
         return (
             f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
-            f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: "
-            f"{100 * usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%"
+            f"tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, KV cache "
+            f"usage: {100 * stats.kv_cache_usage:.1f}%, Prefix cache hit rate: "
+            f"{100 * stats.prefix_cache.hit_rate:.1f}%"
         )
