@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from segserve.attention.plan import gathered_tokens
-from segserve.config import EngineConfig, cdiv
+from segserve.config import EngineConfig
 from segserve.core.request import Request, is_decode
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
