@@ -55,8 +55,6 @@ from segserve.attention.plan import (
 from segserve.attention.plan import decode_calls as plan_decode_calls
 from segserve.kernels import cpu as cpu_kernels
 
-__all__ = ["MAX_GATHER_TOKENS", "MAX_PARTIAL_ELEMENTS", "SegmentedAttentionBackend", "build_step_plan"]
-
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
