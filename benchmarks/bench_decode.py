@@ -91,12 +91,9 @@ def hf_decode_ms(model, prompt: list[int], tokens: int, batch: int) -> float:
 
 def load_hf(dtype: torch.dtype):
     """``transformers``' model from the same GGUF, in ``dtype``."""
-    from transformers import AutoModelForCausalLM
+    from segserve.bench.throughput import load_hf_model
 
-    from segserve.models.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    model = load_hf_model(None, str(dtype).removeprefix("torch."))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()

@@ -40,14 +40,9 @@ def segserve_run(prompt_ids: list[int], max_tokens: int, budget: int) -> dict:
 
 
 def hf_run(prompt_ids: list[int], max_tokens: int) -> dict:
-    from transformers import AutoModelForCausalLM
+    from segserve.bench.throughput import load_hf_model
 
-    from segserve.models.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    model = load_hf_model(None, "float32")
     ids = torch.tensor([prompt_ids])
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():

@@ -147,7 +147,14 @@ def _drain(engine: Any, jobs: list[tuple[str, tuple[int, ...], int]]) -> None:
 
 
 def load_hf_model(model_path: str | None, dtype: str = "float32") -> Any:
-    """``transformers``' model for a segserve model argument (None: the default SmolLM2 GGUF)."""
+    """``transformers``' model for a segserve model argument (None: the default SmolLM2 GGUF), dense
+    in ``dtype``: the correctness oracle and the speed baseline.
+
+    transformers 5.2x keeps a GGUF file's quantized weights in their blocks and computes through its
+    own float32 kernels unless told to dequantize; that model is neither the ``dtype`` oracle the
+    parity tests compare with nor a fair baseline, so GGUF weights are dequantized at load (older
+    releases always did).
+    """
     from pathlib import Path
 
     import torch
@@ -158,6 +165,12 @@ def load_hf_model(model_path: str | None, dtype: str = "float32") -> Any:
     path = Path(model_path) if model_path else default_model_path()
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
     if path.suffix == ".gguf":
+        try:
+            from transformers import GgufConfig
+        except ImportError:  # releases without it always dequantize
+            pass
+        else:
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)

@@ -43,10 +43,9 @@ def smollm():
 
 def load_hf_oracle(dtype: torch.dtype):
     """transformers' SmolLM2 in ``dtype`` loaded from the same GGUF, set up for fixed-length greedy runs."""
-    from transformers import AutoModelForCausalLM
+    from segserve.bench.throughput import load_hf_model
 
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    model = load_hf_model(None, str(dtype).removeprefix("torch."))
     model.generation_config.eos_token_id = None  # fixed-length greedy runs; segserve uses ignore_eos
     model.generation_config.pad_token_id = 0
     return model.eval()
