@@ -51,3 +51,15 @@ def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     scheduler.update_from_output(out, fake_runner_output(scheduler, out, token))
     scheduler.check_integrity(out)
     return out
+
+
+def output_without(blocked: tuple[str, ...], code: str) -> str:
+    """Stdout of ``code`` run in a fresh interpreter where importing any of ``blocked`` fails (a module
+    meant to stay torch-free must import and work there); stderr in the assertion message."""
+    import subprocess
+    import sys
+
+    prelude = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+    result = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()

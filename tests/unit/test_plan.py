@@ -8,23 +8,15 @@ replay, in tests/simulator/test_replay.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from core_helpers import output_without
 
 from segserve.attention import plan
 from segserve.attention.plan import DecodeCall
 
 
 def test_plan_imports_without_torch_or_numpy() -> None:
-    code = (
-        "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
-        "import segserve.attention.plan\n"
-        "print('ok')"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.stdout.strip() == "ok", result.stderr
+    assert output_without(("torch", "numpy"), "import segserve.attention.plan\nprint('ok')") == "ok"
 
 
 @pytest.mark.parametrize(
