@@ -1,4 +1,4 @@
-"""Compile ``csrc/segserve_cpu.c`` on first use and cache the shared library.
+"""Compile the C sources in ``csrc/`` into one library on first use and cache it.
 
 The kernels are plain C (no PyTorch headers), so a build takes about a second with the system C
 compiler. The library is compiled for this machine (``-march=native``) and cached under
@@ -20,7 +20,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).parent / "csrc" / "segserve_cpu.c"
+CSRC = Path(__file__).parent / "csrc"
+# Every ``.c`` file in csrc/ goes into the one library (sorted, so the build key is stable).
+SOURCES = tuple(sorted(CSRC.glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
 ABI_VERSION = 3
@@ -75,7 +77,7 @@ def _build(target: Path, cc: str) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
+            [cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
         )
         if proc.returncode:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -112,7 +114,8 @@ def load() -> ctypes.CDLL | None:
         _reason = f"no C compiler ({cc}): {e}"
         return None
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS), version, " ".join(sorted(flags))):
+    sources = [f.name.encode() + f.read_bytes() for f in SOURCES]
+    for part in (*sources, " ".join(FLAGS), version, " ".join(sorted(flags))):
         key.update(part if isinstance(part, bytes) else part.encode())
     target = cache_dir() / f"segserve_cpu_{key.hexdigest()[:16]}.so"
     try:
@@ -122,7 +125,7 @@ def load() -> ctypes.CDLL | None:
         for name in SYMBOLS:
             getattr(lib, name)
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-        _reason = f"could not build or load {SOURCE.name} ({target}): {e}"
+        _reason = f"could not build or load {', '.join(f.name for f in SOURCES)} ({target}): {e}"
         return None
     if lib.sg_abi_version() != ABI_VERSION:
         _reason = f"{target} has ABI {lib.sg_abi_version()}, expected {ABI_VERSION}"

@@ -30,9 +30,14 @@ C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes
 needs_cpu = pytest.mark.skipif(not CPU_READY, reason="CPU lacks AVX-512F / AVX-512 BF16")
 
 
+def _all_sources() -> str:
+    """Every C source that goes into the library, concatenated."""
+    return "\n".join(f.read_text() for f in build.SOURCES)
+
+
 def _c_structs() -> dict[str, list[tuple[str, object]]]:
     """``typedef struct {...} name;`` of the C source: name -> [(field, C_TYPES value or "pointer")]."""
-    source = build.SOURCE.read_text()
+    source = _all_sources()
     structs = {}
     for body, name in re.findall(r"typedef struct \{\n(.*?)\n\} (\w+);", source, re.S):
         fields = []
@@ -64,7 +69,7 @@ def test_every_ctypes_mirror_has_the_c_structs_fields_in_order() -> None:
 
 
 def test_each_entry_point_takes_its_struct_and_it_starts_with_its_size() -> None:
-    signatures = dict(re.findall(r"^int (sg_\w+)\(const (\w+) \*a\) \{", build.SOURCE.read_text(), re.M))
+    signatures = dict(re.findall(r"^int (sg_\w+)\(const (\w+) \*a\) \{", _all_sources(), re.M))
     assert signatures == {name: f"{name}_args" for name in cpu_kernels._ARGS}
     for name, cls in cpu_kernels._ARGS.items():
         assert MIRRORS[f"{name}_args"] is cls
