@@ -25,8 +25,11 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
-ABI_VERSION = 3
-SYMBOLS = ("sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack")
+ABI_VERSION = 4
+SYMBOLS = (
+    "sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack",
+    "sg_rows",
+)
 
 _loaded: ctypes.CDLL | None = None
 _reason: str | None = None

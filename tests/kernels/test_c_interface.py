@@ -25,6 +25,7 @@ MIRRORS = {
     "sg_decode_attention_args": cpu_kernels._DecodeAttentionArgs,
     "sg_layer": cpu_kernels._Layer,
     "sg_decode_stack_args": cpu_kernels._DecodeStackArgs,
+    "sg_rows_args": cpu_kernels._RowsArgs,
 }
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 needs_cpu = pytest.mark.skipif(not CPU_READY, reason="CPU lacks AVX-512F / AVX-512 BF16")
