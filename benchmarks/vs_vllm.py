@@ -275,8 +275,8 @@ def summary_line(rows: list[Row], load_before: float | None, load_after: float |
     measured = [r for r in goals if r.passed is not None]
     met = sum(bool(r.passed) for r in measured)
     parts = [f"{r.name} x{_fmt(r.ratio, 2)} {'ok' if r.passed else 'MISS'}" for r in measured]
-    return (f"vs_vllm: {met}/{len(measured)} goals met ({len(goals) - len(measured)} not measured); "
-            + "; ".join(parts) + f"; load {_fmt(load_before, 2)} -> {_fmt(load_after, 2)}")
+    return "; ".join([f"vs_vllm: {met}/{len(measured)} goals met ({len(goals) - len(measured)} not measured)",
+                      *parts, f"load {_fmt(load_before, 2)} -> {_fmt(load_after, 2)}"])
 
 
 # ---- plan and time estimate (pure) ----------------------------------------------------------------
@@ -558,17 +558,18 @@ def offline_specs(args: argparse.Namespace, workloads: tuple[str, ...]) -> dict[
     """The driver's workload specs (see ``vs_vllm_driver.py``), keyed by result name."""
     s, specs = args.seed, {}
     if "prefill" in workloads:
-        specs["prefill"] = {"kind": "prefill", "repeats": args.prefill_repeats,
-                            "prompts": {str(n): random_ids(n, s + n) for n in args.prefill_lens}}
+        reps = range(args.prefill_repeats)
+        specs["prefill"] = {"kind": "prefill", "prompts": {
+            str(n): [random_ids(n, s + 10 * n + r) for r in reps] for n in args.prefill_lens}}
     if "offline" in workloads:
         rng = random.Random(s + 1)
         lens = [rng.randint(64, 512) for _ in range(args.offline_num_prompts)]
         specs["offline"] = {"kind": "batch", "output_len": 64,
                             "prompts": [random_ids(n, s + 100 + i) for i, n in enumerate(lens)]}
     if "decode" in workloads:
-        for b in args.decode_batches:
-            specs[f"decode_b{b}"] = {"kind": "decode", "output_len": args.decode_output_len, "repeats": 1,
-                                     "prompts": [random_ids(256, s + 1000 + i) for i in range(b)]}
+        for b in args.decode_batches:  # a warm-up set, then one set for t_1 and one for t_n
+            sets = [[random_ids(256, s + 1000 + 100 * k + i) for i in range(b)] for k in range(3)]
+            specs[f"decode_b{b}"] = {"kind": "decode", "output_len": args.decode_output_len, "sets": sets}
     return specs
 
 

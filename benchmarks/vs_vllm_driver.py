@@ -12,12 +12,15 @@ token ids. Output (``--out``, JSON): ``{name: result}``, rewritten after each wo
 ``_engine`` (version and the configuration the engine reports). Every request is greedy with
 ``ignore_eos``, so both engines compute exactly the tokens asked for.
 
-- ``prefill``: ``{"prompts": {label: ids}, "repeats": n}``: each prompt alone with ``max_tokens=1``; the
-  wall time of ``generate`` is the offline time to first token; tok/s = prompt tokens / that time.
+- ``prefill``: ``{"prompts": {label: [ids of each repeat]}}``: each prompt alone with ``max_tokens=1``;
+  the wall time of ``generate`` is the offline time to first token; tok/s = prompt tokens / median time.
 - ``batch``: ``{"prompts": [ids...], "output_len": n}``: all at once; output and total tok/s.
-- ``decode``: ``{"prompts": [ids...], "output_len": n, "repeats": r}``: the batch with ``max_tokens=1``
-  then with ``max_tokens=n``; decode tok/s = batch x (n - 1) / (t_n - t_1): the tokens a user
-  receives per second after the first, end to end (scheduling, sampling, detokenizing included).
+- ``decode``: ``{"sets": [batch of ids, ...], "output_len": n}``: a warm-up batch, then per repeat a
+  batch with ``max_tokens=1`` and another with ``max_tokens=n``; decode tok/s = batch x (n - 1) /
+  (t_n - t_1): the tokens a user receives per second after the first, end to end (scheduling,
+  sampling, detokenizing included).
+
+Prompts are never reused within a run (the prefix cache of either engine would skip their prefill).
 """
 
 from __future__ import annotations
@@ -67,10 +70,11 @@ def output_tokens(outs: list) -> int:
 
 def run_prefill(llm: Any, sp_cls: Any, w: dict) -> dict:
     out = {}
-    for label, ids in w["prompts"].items():
-        times = [timed(llm, sp_cls, [ids], 1)[0] for _ in range(w.get("repeats", 1))]
+    for label, per_repeat in w["prompts"].items():
+        times = [timed(llm, sp_cls, [ids], 1)[0] for ids in per_repeat]
         t = statistics.median(times)
-        out[label] = {"prompt_tokens": len(ids), "seconds": times, "tok_s": len(ids) / t}
+        n = len(per_repeat[0])
+        out[label] = {"prompt_tokens": n, "seconds": times, "tok_s": n / t}
     return out
 
 
@@ -84,18 +88,21 @@ def run_batch(llm: Any, sp_cls: Any, w: dict) -> dict:
 
 
 def run_decode(llm: Any, sp_cls: Any, w: dict) -> dict:
-    n, prompts = w["output_len"], w["prompts"]
+    """``sets[0]`` warms the batch shape up; then per repeat one set with ``max_tokens=1`` and
+    another with ``max_tokens=n``: distinct prompts, so neither call hits the prefix cache."""
+    n, sets = w["output_len"], w["sets"]
+    timed(llm, sp_cls, sets[0], 2)
     firsts, fulls, rates = [], [], []
-    for _ in range(w.get("repeats", 1)):
-        t1, _ = timed(llm, sp_cls, prompts, 1)
-        tn, outs = timed(llm, sp_cls, prompts, n)
-        assert output_tokens(outs) == len(prompts) * n, "an engine stopped early despite ignore_eos"
+    for one, full in zip(sets[1::2], sets[2::2], strict=True):
+        t1, _ = timed(llm, sp_cls, one, 1)
+        tn, outs = timed(llm, sp_cls, full, n)
+        assert output_tokens(outs) == len(full) * n, "an engine stopped early despite ignore_eos"
         firsts.append(t1)
         fulls.append(tn)
-        rates.append(len(prompts) * (n - 1) / (tn - t1))
+        rates.append(len(full) * (n - 1) / (tn - t1))
     rate = statistics.median(rates)
-    return {"batch": len(prompts), "output_len": n, "ttft_s": firsts, "seconds": fulls, "rates": rates,
-            "decode_tok_s": rate, "tpot_ms": 1000.0 * len(prompts) / rate,
+    return {"batch": len(sets[0]), "output_len": n, "ttft_s": firsts, "seconds": fulls, "rates": rates,
+            "decode_tok_s": rate, "tpot_ms": 1000.0 * len(sets[0]) / rate,
             "first_tokens": list(outs[0].outputs[0].token_ids[:16])}
 
 
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm, sp_cls, info = make_engine(args.engine, spec)
     results: dict[str, Any] = {"_engine": info | {"startup_s": time.perf_counter() - t0}}
-    timed(llm, sp_cls, [list(range(100, 356))], 4)  # warm-up: first-call costs land in no figure
+    timed(llm, sp_cls, [list(range(100, 612))], 4)  # warm-up: first-call costs land in no figure
     for name, w in spec["workloads"].items():
         results[name] = RUNNERS[w["kind"]](llm, sp_cls, w)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
