@@ -224,8 +224,8 @@ def build_rows(results: dict, dtypes: list[str], prefill_lens: list[int]) -> lis
                         _best(results, "segserve", dtypes, "prefill", "4096", "tok_s"),
                         _best(results, "vllm", dtypes, "prefill", "4096", "tok_s"), ">=", 1.5))
     for d in dtypes:
-        both("offline 64 mixed, output", "tok/s", "offline", ("output_tok_s",), d)
-        both("offline 64 mixed, total", "tok/s", "offline", ("total_tok_s",), d)
+        both("offline mixed, output", "tok/s", "offline", ("output_tok_s",), d)
+        both("offline mixed, total", "tok/s", "offline", ("total_tok_s",), d)
     rows.append(Row("offline total best dtype vs best", "tok/s",
                     _best(results, "segserve", dtypes, "offline", "total_tok_s"),
                     _best(results, "vllm", dtypes, "offline", "total_tok_s"), ">=", 1.3))
@@ -250,6 +250,17 @@ def build_rows(results: dict, dtypes: list[str], prefill_lens: list[int]) -> lis
                         _get(results, "segserve", d, "decode_b1", "tpot_ms"), "<=", 1.1))
         both("TPOT batch 1 through the server", "ms", "server_tpot", ("median_tpot_ms",), d)
     return rows
+
+
+def greedy_agreement(results: dict, dtype: str) -> dict[str, Any] | None:
+    """How many leading greedy tokens of the first offline request the engines share (a check that
+    both read the same weights the same way; float32 should agree on all, bf16 may part early)."""
+    a = results.get("segserve", {}).get(dtype, {}).get("offline", {}).get("first_tokens")
+    b = results.get("vllm", {}).get(dtype, {}).get("offline", {}).get("first_tokens")
+    if not a or not b:
+        return None
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return {"leading_equal": same, "compared": min(len(a), len(b))}
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -628,7 +639,7 @@ def server_command(engine: str, dtype: str, port: int, args: argparse.Namespace)
     if engine == "vllm":
         cmd = [str(args.vllm_venv / "bin" / "vllm"), "serve", str(args.hf_dir), "--dtype", dtype,
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED_NAME,
-               "--max-model-len", "8192", "--seed", str(args.seed), "--disable-log-requests"]
+               "--max-model-len", "8192", "--seed", str(args.seed)]
         return cmd + shlex.split(args.vllm_args)
     cmd = [sys.executable, "-m", "segserve.entrypoints.cli", "serve", "--model", str(args.hf_dir),
            "--dtype", dtype, "--port", str(port), "--served-model-name", SERVED_NAME]
@@ -702,12 +713,13 @@ def timed_run(fn: Any) -> dict:
 
 
 def bench_serve(base: str, args: argparse.Namespace, log_dir: Path, name: str, dataset: list[str],
-                rate: float, num: int) -> dict:
+                rate: float, num: int, warmups: int = 0) -> dict:
     """``vllm bench serve`` (vLLM's own client, from its venv) against ``base``; its result JSON."""
     result = log_dir / f"{name}.json"
     cmd = [str(args.vllm_venv / "bin" / "vllm"), "bench", "serve", "--backend", "vllm", "--base-url", base,
            "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(args.hf_dir),
            "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(args.seed),
+           "--num-warmups", str(warmups),
            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(log_dir), "--result-filename", result.name, *dataset]
     with open(log_dir / f"{name}.log", "w") as log:
@@ -723,7 +735,7 @@ def serve_random(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path)
     dataset = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "64",
                "--random-range-ratio", "0.5"]
     return bench_serve(base, args, log_dir, f"serve_{unit.engine}_{unit.dtype}", dataset,
-                       args.request_rate, args.num_prompts)
+                       args.request_rate, args.num_prompts, warmups=2)
 
 
 def serve_prefix(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -> dict:
@@ -823,7 +835,7 @@ def run_unit(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path) 
           f"(~{estimate_s(unit, args) / 60:.0f} min) load {load_avg()}", flush=True)
     before, t0 = load_avg(), time.perf_counter()
     if unit.group == "offline":
-        out = {k: v | {"load_before": before} for k, v in run_offline(unit, args, record).items()}
+        out = {k: {"load_before": before} | v for k, v in run_offline(unit, args, record).items()}
         for k, v in out.items():
             print(f"  {unit.engine} {unit.dtype} {k}: {brief(k, v)}", flush=True)
     else:
@@ -851,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
               f"~{estimate_s(u, args) / 60:.1f} min")
     if args.dry_run:
         return 0
-    if "vllm" in args.engines:
+    if "vllm" in args.engines or {"serve", "prefix"} & set(args.only):  # `vllm bench serve` is the client
         ensure_vllm_venv(args)
         record["versions"]["vllm_env"] = versions(venv_python(args.vllm_venv))
         record["versions"]["vllm_alias"] = str(write_vllm_alias(args.vllm_venv))
@@ -868,8 +880,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_rows(record["results"], args.dtype, args.prefill_lens)
     record["rows"] = [asdict(r) | {"ratio": r.ratio, "passed": r.passed} for r in rows]
     record["load_start"], record["load_end"] = load_start, load_avg()
+    record["greedy_agreement"] = {d: greedy_agreement(record["results"], d) for d in args.dtype}
     save(record, args.json)
     print(table(rows))
+    for d, agree in record["greedy_agreement"].items():
+        if agree:
+            print(f"greedy tokens, first offline request [{d}]: {agree['leading_equal']} of "
+                  f"{agree['compared']} leading tokens equal in both engines")
     print(summary_line(rows, (load_start or [None])[0], (load_avg() or [None])[0]), flush=True)
     return 0
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -121,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"_engine": info | {"startup_s": time.perf_counter() - t0}}
     timed(llm, sp_cls, [list(range(100, 612))], 4)  # warm-up: first-call costs land in no figure
     for name, w in spec["workloads"].items():
-        results[name] = RUNNERS[w["kind"]](llm, sp_cls, w)
+        before = list(os.getloadavg())
+        results[name] = RUNNERS[w["kind"]](llm, sp_cls, w) | {"load_before": before,
+                                                             "load_after": list(os.getloadavg())}
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
         print(f"driver {args.engine} {spec['dtype']} {name}: done", flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

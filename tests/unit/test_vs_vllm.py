@@ -169,3 +169,12 @@ def test_offline_prompts_are_never_reused(vs):
     assert len({tuple(p) for p in prompts}) == len(prompts) == 2 + 3 + 3 * 2
     assert all(64 <= len(p) <= 512 for p in specs["offline"]["prompts"])
     assert all(min(p) >= 17 for p in prompts)
+
+
+def test_greedy_agreement_counts_leading_tokens(vs):
+    res = {"segserve": {"float32": {"offline": {"first_tokens": [5, 6, 7, 8]}}},
+           "vllm": {"float32": {"offline": {"first_tokens": [5, 6, 9, 8]}}}}
+    assert vs.greedy_agreement(res, "float32") == {"leading_equal": 2, "compared": 4}
+    res["vllm"]["float32"]["offline"]["first_tokens"] = [5, 6, 7, 8]
+    assert vs.greedy_agreement(res, "float32") == {"leading_equal": 4, "compared": 4}
+    assert vs.greedy_agreement(res, "bfloat16") is None
