@@ -26,7 +26,7 @@ keeps everything in ``--json`` (rewritten after every run; ``--resume`` skips wh
 
     .venv/bin/python benchmarks/vs_vllm.py --dry-run          # the plan and its estimated time
     .venv/bin/python benchmarks/vs_vllm.py --setup-only       # venv + HF export, then exit
-    .venv/bin/python benchmarks/vs_vllm.py --resume           # everything, both dtypes (~1.5 h)
+    .venv/bin/python benchmarks/vs_vllm.py --resume           # everything, both dtypes (~35 min quiet)
 """
 
 from __future__ import annotations
@@ -823,6 +823,15 @@ def new_record(args: argparse.Namespace) -> dict:
     }
 
 
+# Flags that only choose what runs (not how big it is): a resumed record may differ in these.
+SELECTION_FLAGS = ("only", "dtype", "engines", "resume", "dry_run", "setup_only", "json", "server_timeout_s")
+
+
+def sizes_changed(old: dict, new: dict) -> list[str]:
+    """Settings that differ between two records, selection flags aside (empty: safe to resume)."""
+    return sorted(k for k in set(old) | set(new) if k not in SELECTION_FLAGS and old.get(k) != new.get(k))
+
+
 def save(record: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -853,6 +862,11 @@ def main(argv: list[str] | None = None) -> int:
     record = new_record(args)
     if args.resume and args.json.is_file():
         old = json.loads(args.json.read_text())
+        changed = sizes_changed(old.get("settings", {}), record["settings"])
+        if changed:
+            print(f"vs_vllm: --resume refused: {args.json} was measured with other sizes ({changed}); "
+                  f"use the same flags or another --json", file=sys.stderr)
+            return 2
         record |= {k: old[k] for k in ("results", "runs", "engines") if k in old}
     units = plan(args, record["results"])
     total = sum(estimate_s(u, args) for u in units)

@@ -178,3 +178,9 @@ def test_greedy_agreement_counts_leading_tokens(vs):
     res["vllm"]["float32"]["offline"]["first_tokens"] = [5, 6, 7, 8]
     assert vs.greedy_agreement(res, "float32") == {"leading_equal": 4, "compared": 4}
     assert vs.greedy_agreement(res, "bfloat16") is None
+
+
+def test_resume_only_with_the_same_sizes(vs):
+    old = {"only": ["prefill"], "dtype": ["float32"], "request_rate": 1.5, "seed": 0}
+    assert vs.sizes_changed(old, old | {"only": ["stall"], "dtype": ["bfloat16"], "resume": True}) == []
+    assert vs.sizes_changed(old, old | {"request_rate": 2.0}) == ["request_rate"]
