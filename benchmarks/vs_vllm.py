@@ -115,14 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stall-long-len", type=int, default=4096)
     g.add_argument("--stall-streams", type=int, default=8)
     g.add_argument("--stall-output-len", type=int, default=320, help="tokens each stream decodes")
-    g.add_argument("--stall-delay-s", type=float, default=6.0, help="when the long prompt is sent")
+    g.add_argument("--stall-after-tokens", type=int, default=8,
+                   help="the long prompt is sent once every stream has this many tokens")
     g.add_argument("--tpot-output-len", type=int, default=128, help="serve: batch-1 TPOT request")
     e = p.add_argument_group("engines")
     e.add_argument("--vllm-kvcache-space", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     e.add_argument("--vllm-threads-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: all)")
     e.add_argument("--vllm-args", default="", help="extra `vllm serve` flags (one string)")
     e.add_argument("--segserve-args", default="", help="extra `segserve serve` flags (one string)")
-    e.add_argument("--server-timeout-s", type=float, default=600.0, help="wait for a server to answer")
+    e.add_argument("--server-timeout-s", type=float, default=1200.0, help="wait for a server to answer "
+                   "(vLLM took 8 min to start at load 10)")
     return p
 
 
@@ -136,17 +138,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.engines = parse_list(args.engines, ENGINES, "--engines")
         args.prefill_lens = parse_ints(args.prefill_lens, "--prefill-lens", 1, 8191)
         args.decode_batches = parse_ints(args.decode_batches, "--decode-batches", 1, 256)
-        for flag in ("request_rate", "prefix_rate", "stall_delay_s", "server_timeout_s"):
+        for flag in ("request_rate", "prefix_rate", "server_timeout_s"):
             if not getattr(args, flag) > 0 or math.isinf(getattr(args, flag)):
                 raise ValueError(f"--{flag.replace('_', '-')} must be a finite number > 0")
         for flag in ("prefill_repeats", "offline_num_prompts", "num_prompts", "prefix_num_prompts",
                      "prefix_len", "prefix_suffix_len", "prefix_num_prefixes", "prefix_output_len",
-                     "stall_long_len", "stall_streams", "vllm_kvcache_space"):
+                     "stall_long_len", "stall_streams", "stall_after_tokens", "vllm_kvcache_space"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         for flag in ("decode_output_len", "stall_output_len", "tpot_output_len"):
             if getattr(args, flag) < 2:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 2 (a rate needs two tokens)")
+        if args.stall_after_tokens >= args.stall_output_len:
+            raise ValueError("--stall-after-tokens must be below --stall-output-len (streams must run on)")
         if args.stall_long_len + 1 > 8192:
             raise ValueError("--stall-long-len must be <= 8,191 (the model's context is 8,192)")
     except ValueError as exc:
@@ -349,7 +353,7 @@ def estimate_s(unit: Unit, args: argparse.Namespace) -> float:
         elif w == "prefix":
             s += BENCH_CLIENT_START_S + args.prefix_num_prompts / args.prefix_rate + 20
         elif w == "stall":
-            s += args.stall_delay_s + args.stall_output_len * args.stall_streams / DECODE8_TOK_S + 15
+            s += args.stall_output_len * args.stall_streams / DECODE8_TOK_S + 20
     return s
 
 
@@ -693,6 +697,7 @@ def run_server(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path
                                 cwd=str(ROOT))
         try:
             info[f"serve_startup_s_{unit.dtype}"] = wait_ready(proc, base, args.server_timeout_s)
+            info[f"serve_config_{unit.dtype}"] = config_lines(log_path)
             for w in unit.workloads:
                 for key, fn in SERVER_WORKLOADS[w]:
                     out[key] = timed_run(lambda fn=fn: fn(base, unit, args, log_dir))
@@ -702,6 +707,15 @@ def run_server(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path
         finally:
             stop(proc)
     return out
+
+
+CONFIG_MARKERS = ("non-default args", "max_num_batched_tokens", "KV cache size", "loaded in ", "budget=")
+
+
+def config_lines(log_path: Path) -> list[str]:
+    """The lines of a server's start-up log that state its configuration (both engines log them)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    return [ln.strip()[:600] for ln in lines if any(m in ln for m in CONFIG_MARKERS)][:8]
 
 
 def timed_run(fn: Any) -> dict:
@@ -762,22 +776,58 @@ def _stream(base: str, prompts: list[list[int]], outputs: list[int], sends: list
     return timings
 
 
+async def _stall_streams(base: str, prompts: list[list[int]], output_len: int, long_prompt: list[int],
+                         after_tokens: int, max_wait_s: float = 300.0) -> tuple[list, Any]:
+    """Stream ``prompts``; once each has ``after_tokens`` tokens (or ``max_wait_s`` passed), stream
+    ``long_prompt`` for one token. segserve's client pieces (``serve_client``), timed alike for both
+    servers: token ids in, ``ignore_eos``, usage chunk counted."""
+    import asyncio
+
+    import httpx
+
+    from segserve.bench import serve_client as sc
+
+    url = f"{base}/v1/completions"
+
+    def body(ids: list[int], n: int) -> dict:
+        return {"model": SERVED_NAME, "prompt": ids, "max_tokens": n, "temperature": 0.0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=900.0) as client:
+        streams = [sc.RequestTiming(0.0, len(p)) for p in prompts]
+        tasks = [asyncio.create_task(sc._stream_one(client, url, body(p, output_len), t, t0))
+                 for p, t in zip(prompts, streams, strict=True)]
+        while (any(len(t.chunk_times) < after_tokens for t in streams) and not all(x.done() for x in tasks)
+               and time.perf_counter() - t0 < max_wait_s):
+            await asyncio.sleep(0.01)
+        long = sc.RequestTiming(time.perf_counter() - t0, len(long_prompt))
+        await sc._stream_one(client, url, body(long_prompt, 1), long, t0)
+        await asyncio.gather(*tasks)
+    return streams, long
+
+
 def serve_stall(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -> dict:
-    """``--stall-streams`` streams (128-token prompts) start at 0; the long prompt is sent at
-    ``--stall-delay-s``. Max/p99 ITL of the streams over their whole run, the long prompt's TTFT."""
+    """``--stall-streams`` streams (128-token prompts) start together; the long prompt is sent once
+    each has ``--stall-after-tokens`` tokens. Max/p99 ITL of the streams over their whole run (the
+    gap the long prompt causes is the max), the long prompt's TTFT."""
+    import asyncio
+
     from segserve.bench.experiment import latency_stats
 
-    n = args.stall_streams
-    prompts = [random_ids(128, args.seed + 2000 + i) for i in range(n)]
-    prompts.append(random_ids(args.stall_long_len, args.seed + 3000))
-    outputs = [args.stall_output_len] * n + [1]
-    timings = _stream(base, prompts, outputs, [0.0] * n + [args.stall_delay_s])
-    streams, long = timings[:n], timings[n]
+    prompts = [random_ids(128, args.seed + 2000 + i) for i in range(args.stall_streams)]
+    long_prompt = random_ids(args.stall_long_len, args.seed + 3000)
+    streams, long = asyncio.run(_stall_streams(base, prompts, args.stall_output_len, long_prompt,
+                                               args.stall_after_tokens))
+    bad = [t.error for t in [*streams, long] if not t.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} streamed request(s) failed: {bad[:2]}")
     itl = latency_stats([x for t in streams for x in t.itls])
     long_first = long.chunk_times[0]
     return {"max_itl_ms": itl["max_ms"], "p99_itl_ms": itl["p99_ms"], "median_itl_ms": itl["p50_ms"],
             "long_ttft_ms": 1000.0 * long.ttft, "long_prompt_tokens": args.stall_long_len,
-            "streams_started_before_long": all(t.chunk_times[0] < long.sent for t in streams),
+            "long_sent_s": long.sent,
+            "stream_tokens_when_long_sent": [sum(c <= long.sent for c in t.chunk_times) for t in streams],
             "streams_outlived_long_first_token": all(t.chunk_times[-1] > long_first for t in streams),
             "stream_output_tokens": [t.output_tokens for t in streams]}
 

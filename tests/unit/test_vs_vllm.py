@@ -36,6 +36,7 @@ def vs():
     (["--num-prompts", "0"], "--num-prompts"),
     (["--decode-output-len", "1"], "--decode-output-len"),
     (["--stall-long-len", "8192"], "--stall-long-len"),
+    (["--stall-after-tokens", "320"], "--stall-after-tokens"),
 ])
 def test_bad_flags_exit_naming_the_flag(vs, capsys, flags, named):
     with pytest.raises(SystemExit) as exc:
