@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and estimated time, run nothing")
     p.add_argument("--setup-only", action="store_true", help="set up the venv and the HF dir, then exit")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-load", type=float, default=None,
+                   help="before each run, wait until the 1-min load average is below this")
+    p.add_argument("--max-wait-s", type=float, default=1800.0, help="with --max-load: give up after this")
     g = p.add_argument_group("sizes")
     g.add_argument("--prefill-lens", default="1024,4096,8064", help="prompt tokens (<= 8,191)")
     g.add_argument("--prefill-repeats", type=int, default=1)
@@ -874,7 +877,8 @@ def new_record(args: argparse.Namespace) -> dict:
 
 
 # Flags that only choose what runs (not how big it is): a resumed record may differ in these.
-SELECTION_FLAGS = ("only", "dtype", "engines", "resume", "dry_run", "setup_only", "json", "server_timeout_s")
+SELECTION_FLAGS = ("only", "dtype", "engines", "resume", "dry_run", "setup_only", "json", "server_timeout_s",
+                   "max_load", "max_wait_s")
 
 
 def sizes_changed(old: dict, new: dict) -> list[str]:
@@ -887,6 +891,16 @@ def save(record: dict, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
     tmp.replace(path)
+
+
+def wait_quiet(max_load: float | None, max_wait_s: float) -> bool:
+    """Sleep until the 1-minute load is below ``max_load``; False if it is still not after ``max_wait_s``."""
+    t0 = time.perf_counter()
+    while max_load is not None and (load_avg() or [0.0])[0] >= max_load:
+        if time.perf_counter() - t0 > max_wait_s:
+            return False
+        time.sleep(10)
+    return True
 
 
 def run_unit(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path) -> None:
@@ -939,6 +953,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.json.parent / "vs_vllm_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     for unit in units:
+        if not wait_quiet(args.max_load, args.max_wait_s):
+            print(f"== {unit.engine} {unit.dtype} {unit.group} skipped: load {load_avg()} stayed >= "
+                  f"{args.max_load} for {args.max_wait_s:.0f} s (rerun with --resume)", flush=True)
+            continue
         run_unit(unit, args, record, log_dir)
         save(record, args.json)
     rows = build_rows(record["results"], args.dtype, args.prefill_lens)
