@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=",".join(DTYPES), help="comma list of float32,bfloat16")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of segserve,vllm")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM's own venv (made if absent)")
-    p.add_argument("--hf-dir", type=Path, default=DEFAULT_HF_DIR, help="HF export of the GGUF (cached)")
+    p.add_argument("--hf-dir", type=Path, default=DEFAULT_HF_DIR,
+                   help="HF export of the GGUF (made once); another HF directory is used as it is")
     p.add_argument("--json", type=Path, default=ROOT / "results" / "vs_vllm.json")
     p.add_argument("--resume", action="store_true", help="keep runs already in --json, do only the rest")
     p.add_argument("--dry-run", action="store_true", help="print the plan and estimated time, run nothing")
@@ -135,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check; a bad value exits with a message naming the flag (``argparse.error``)."""
     p = build_parser()
     args = p.parse_args(argv)
+    args.vocab_size = SMOLLM2_VOCAB  # main() reads the model's own once the HF directory exists
     try:
         args.only = parse_list(args.only, WORKLOADS, "--only")
         args.dtype = parse_list(args.dtype, DTYPES, "--dtype")
@@ -539,6 +541,8 @@ def export_hf_dir(out: Path, gguf: Path | None = None) -> dict[str, Any]:
     marker = out / "segserve_export.json"
     if marker.is_file() and json.loads(marker.read_text()).get("source") == source:
         return json.loads(marker.read_text())
+    if out.resolve() != DEFAULT_HF_DIR.resolve() and (out / "config.json").is_file() and not marker.exists():
+        return {"provided": True}  # a Hugging Face directory of the user's, used as it is
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
@@ -567,26 +571,29 @@ def export_hf_dir(out: Path, gguf: Path | None = None) -> dict[str, Any]:
 # ---- workloads (seeded token ids, shared by both engines) -----------------------------------------
 
 
-def random_ids(n: int, seed: int, vocab: int = 49_152) -> list[int]:
+SMOLLM2_VOCAB = 49_152
+
+
+def random_ids(n: int, seed: int, vocab: int = SMOLLM2_VOCAB) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(17, vocab) for _ in range(n)]  # ids < 17 are SmolLM2's special tokens
 
 
 def offline_specs(args: argparse.Namespace, workloads: tuple[str, ...]) -> dict[str, dict]:
     """The driver's workload specs (see ``vs_vllm_driver.py``), keyed by result name."""
-    s, specs = args.seed, {}
+    s, v, specs = args.seed, args.vocab_size, {}
     if "prefill" in workloads:
         reps = range(args.prefill_repeats)
         specs["prefill"] = {"kind": "prefill", "prompts": {
-            str(n): [random_ids(n, s + 10 * n + r) for r in reps] for n in args.prefill_lens}}
+            str(n): [random_ids(n, s + 10 * n + r, v) for r in reps] for n in args.prefill_lens}}
     if "offline" in workloads:
         rng = random.Random(s + 1)
         lens = [rng.randint(64, 512) for _ in range(args.offline_num_prompts)]
         specs["offline"] = {"kind": "batch", "output_len": 64,
-                            "prompts": [random_ids(n, s + 100 + i) for i, n in enumerate(lens)]}
+                            "prompts": [random_ids(n, s + 100 + i, v) for i, n in enumerate(lens)]}
     if "decode" in workloads:
         for b in args.decode_batches:  # a warm-up set, then one set for t_1 and one for t_n
-            sets = [[random_ids(256, s + 1000 + 100 * k + i) for i in range(b)] for k in range(3)]
+            sets = [[random_ids(256, s + 1000 + 100 * k + i, v) for i in range(b)] for k in range(3)]
             specs[f"decode_b{b}"] = {"kind": "decode", "output_len": args.decode_output_len, "sets": sets}
     return specs
 
@@ -598,7 +605,8 @@ def run_offline(unit: Unit, args: argparse.Namespace, record: dict) -> dict[str,
     """The driver in a subprocess: vLLM's venv interpreter or this one; returns results by key."""
     specs = offline_specs(args, unit.workloads)
     kwargs = {"max_model_len": 8192, "seed": args.seed} if unit.engine == "vllm" else {"seed": args.seed}
-    spec = {"model": str(args.hf_dir), "dtype": unit.dtype, "engine_kwargs": kwargs, "workloads": specs}
+    spec = {"model": str(args.hf_dir), "dtype": unit.dtype, "engine_kwargs": kwargs, "workloads": specs,
+            "warmup": random_ids(512, args.seed + 7, args.vocab_size)}
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -703,7 +711,7 @@ def run_server(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path
                 info[f"serve_startup_s_{unit.dtype}"] = wait_ready(proc, base, args.server_timeout_s)
                 info[f"serve_config_{unit.dtype}"] = config_lines(log_path)
                 # One untimed request, so that no workload (say `--only stall`) meets a cold server.
-                _stream(base, [random_ids(512, args.seed + 9999)], [4], [0.0])
+                _stream(base, [random_ids(512, args.seed + 9999, args.vocab_size)], [4], [0.0])
             except RuntimeError as exc:
                 print(f"  {unit.engine} {unit.dtype} server: {exc} (log: {log_path})", flush=True)
                 return {}
@@ -830,8 +838,8 @@ def serve_stall(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) 
 
     from segserve.bench.experiment import latency_stats
 
-    prompts = [random_ids(128, args.seed + 2000 + i) for i in range(args.stall_streams)]
-    long_prompt = random_ids(args.stall_long_len, args.seed + 3000)
+    prompts = [random_ids(128, args.seed + 2000 + i, args.vocab_size) for i in range(args.stall_streams)]
+    long_prompt = random_ids(args.stall_long_len, args.seed + 3000, args.vocab_size)
     streams, long = asyncio.run(_stall_streams(base, prompts, args.stall_output_len, long_prompt,
                                                args.stall_after_tokens))
     bad = [t.error for t in [*streams, long] if not t.ok]
@@ -853,7 +861,8 @@ def serve_tpot(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -
 
     tpots = []
     for rep in range(3):
-        (t,) = _stream(base, [random_ids(256, args.seed + 4000 + rep)], [args.tpot_output_len], [0.0])
+        prompt = random_ids(256, args.seed + 4000 + rep, args.vocab_size)
+        (t,) = _stream(base, [prompt], [args.tpot_output_len], [0.0])
         tpots.append(1000.0 * t.tpot)
     return {"median_tpot_ms": statistics.median(tpots), "tpot_ms": tpots, "output_len": args.tpot_output_len}
 
@@ -890,7 +899,7 @@ def new_record(args: argparse.Namespace) -> dict:
 
 # Flags that only choose what runs (not how big it is): a resumed record may differ in these.
 SELECTION_FLAGS = ("only", "dtype", "engines", "resume", "dry_run", "setup_only", "json", "server_timeout_s",
-                   "max_load", "max_wait_s")
+                   "max_load", "max_wait_s", "vocab_size")
 
 
 def sizes_changed(old: dict, new: dict) -> list[str]:
@@ -958,6 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         record["versions"]["vllm_env"] = versions(venv_python(args.vllm_venv))
         record["versions"]["vllm_alias"] = str(write_vllm_alias(args.vllm_venv))
     record["hf_export"] = export_hf_dir(args.hf_dir) | {"dir": str(args.hf_dir)}
+    args.vocab_size = json.loads((args.hf_dir / "config.json").read_text())["vocab_size"]
     if args.setup_only:
         save(record, args.json)
         return 0

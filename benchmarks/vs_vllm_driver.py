@@ -6,7 +6,7 @@ Run by ``vs_vllm.py`` (never by hand, though it works): with the vLLM virtualenv
 both cores to itself. It imports nothing from this repository besides the engine, so the vLLM venv
 needs no segserve.
 
-Input (``--spec``, JSON): ``{"model": HF dir, "dtype": ..., "engine_kwargs": {...},
+Input (``--spec``, JSON): ``{"model": HF dir, "dtype": ..., "engine_kwargs": {...}, "warmup": ids,
 "workloads": {name: {"kind": "prefill" | "batch" | "decode", ...}}}`` where every prompt is a list of
 token ids. Output (``--out``, JSON): ``{name: result}``, rewritten after each workload, plus
 ``_engine`` (version and the configuration the engine reports). Every request is greedy with
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm, sp_cls, info = make_engine(args.engine, spec)
     results: dict[str, Any] = {"_engine": info | {"startup_s": time.perf_counter() - t0}}
-    timed(llm, sp_cls, [list(range(100, 612))], 4)  # warm-up: first-call costs land in no figure
+    timed(llm, sp_cls, [spec.get("warmup") or list(range(100, 612))], 4)  # first-call costs: in no figure
     for name, w in spec["workloads"].items():
         before = list(os.getloadavg())
         results[name] = RUNNERS[w["kind"]](llm, sp_cls, w) | {"load_before": before,
