@@ -630,16 +630,21 @@ def engine_overrides(engine: str, args: argparse.Namespace) -> dict[str, str]:
     base = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if engine == "vllm":
         return base | vllm_env(args)
-    threads = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ}
+    threads = {k: v for k, v in os.environ.items() if k.startswith(THREAD_VARS)}
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return base | threads | {"PYTHONPATH": path}
 
 
+# OpenMP / MKL settings of this process: segserve's processes inherit them (and the record says so);
+# vLLM's do not, so that its configuration is the one ``vllm_env`` states.
+THREAD_VARS = ("OMP_", "GOMP_", "KMP_", "MKL_")
+
+
 def engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ) | engine_overrides(engine, args)
+    env = dict(os.environ)
     if engine == "vllm":
-        env.pop("PYTHONPATH", None)  # nothing of segserve's in vLLM's interpreter
-    return env
+        env = {k: v for k, v in env.items() if not k.startswith(THREAD_VARS) and k != "PYTHONPATH"}
+    return env | engine_overrides(engine, args)
 
 
 # ---- running a server unit ------------------------------------------------------------------------

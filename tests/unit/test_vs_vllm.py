@@ -185,3 +185,15 @@ def test_resume_only_with_the_same_sizes(vs):
     old = {"only": ["prefill"], "dtype": ["float32"], "request_rate": 1.5, "seed": 0}
     assert vs.sizes_changed(old, old | {"only": ["stall"], "dtype": ["bfloat16"], "resume": True}) == []
     assert vs.sizes_changed(old, old | {"request_rate": 2.0}) == ["request_rate"]
+
+
+def test_thread_settings_reach_segserve_only(vs, monkeypatch, tmp_path):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    args = vs.parse_args(["--vllm-venv", str(tmp_path), "--vllm-kvcache-space", "6"])
+    seg, vllm = vs.engine_env("segserve", args), vs.engine_env("vllm", args)
+    assert seg["OMP_WAIT_POLICY"] == "PASSIVE" and seg["PYTHONPATH"].endswith("/elsewhere")
+    assert vs.engine_overrides("segserve", args)["OMP_WAIT_POLICY"] == "PASSIVE"  # recorded
+    assert "OMP_WAIT_POLICY" not in vllm and "PYTHONPATH" not in vllm
+    assert vllm["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and vllm["VLLM_CPU_KVCACHE_SPACE"] == "6"
+    assert "LD_PRELOAD" not in vllm  # no libiomp5.so in this fake venv
