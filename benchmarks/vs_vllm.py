@@ -22,7 +22,9 @@ go through ``benchmarks/vs_vllm_driver.py`` in a subprocess (vLLM's venv / this 
 are ``segserve serve`` and ``vllm serve``; never two engines at once.
 
 Prints a row per figure (segserve, vLLM, ratio, issue 12's goal, pass/fail), one summary line, and
-keeps everything in ``--json`` (rewritten after every run; ``--resume`` skips what it holds).
+keeps everything in ``--json`` (rewritten after every run; ``--resume`` skips what it holds). Quote
+figures from a quiet machine only (``--max-load``): on a busy one segserve's two spinning OpenMP
+threads lost 5-10x (2026-12-01, load 3-5) where vLLM's bound threads lost ~2.5x.
 
     .venv/bin/python benchmarks/vs_vllm.py --dry-run          # the plan and its estimated time
     .venv/bin/python benchmarks/vs_vllm.py --setup-only       # venv + HF export, then exit
