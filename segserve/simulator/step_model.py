@@ -272,6 +272,13 @@ def save_profile(model: StepTimeModel, path: str | Path, extra: dict | None = No
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+# The machine DEFAULT_CPU_MODEL was measured on (named in the warning when it stands in for a profile
+# of the machine at hand; README "Performance").
+BUILTIN_MACHINE = (
+    "AMD EPYC Zen 4, 2 cores / 2 threads, SmolLM2-135M-Instruct.Q4_1.gguf float32, kernels on, block 16, "
+    "segment 512 (idle, 2026-11-30)"
+)
+
 # This engine on the 2-core CPU (float32, 2 threads, idle, compiled CPU kernels): the fit to a real
 # replay of Azure-conv traffic, docs/profiles/cpu_2core_fp32_replay_compiled.json (which predicted a
 # held-out slice within 10 % on throughput, medians and p99s, docs/simulator.md). Used when no profile
