@@ -174,3 +174,23 @@ def test_profile_quick_calibrates_and_caches_the_default_model(capsys, empty_pro
     model, data = cal.read_cached(path, fp)
     assert path == cal.profile_path(fp) and data["fit"]["n"] >= 100
     assert model.coefficients["padded_tokens"] > 0
+
+
+def test_profile_quick_prints_the_fit_error_and_caches(model_file, monkeypatch, capsys, tmp_path):
+    from segserve.entrypoints.cli import main
+    from segserve.simulator import profile
+
+    by_kind = {"prefill": {"n": 47, "mean_rel_err": -0.02, "mean_abs_rel_err": 0.04},
+               "decode b=8": {"n": 9, "mean_rel_err": 0.06, "mean_abs_rel_err": 0.06}}
+    stats = {"n": 126.0, "mean_abs_rel_err": 0.05, "p90_abs_rel_err": 0.1, "max_abs_rel_err": 0.3,
+             "seconds": 41.0, "by_kind": by_kind}
+    monkeypatch.setattr(profile, "calibrate_quick", lambda fp: (MODEL, stats))
+    copy = tmp_path / "copy.json"
+    assert main(["profile", "--quick", "--model", str(model_file), "--output", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "fit error: mean |rel err| 5.0%, p90 10.0%, max 30.0%" in out
+    assert "prefill -2% (n=47), decode b=8 +6% (n=9)" in out
+    fp = cal.machine_fingerprint(model_file)
+    assert f"wrote {cal.profile_path(fp)} and {copy}" in out
+    assert cal.choose_profile(fp).origin == "cached"
+    assert main(["profile"]) == 2 and "give --output FILE" in capsys.readouterr().err
