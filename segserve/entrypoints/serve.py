@@ -56,9 +56,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
-    choice = _step_profile(args)
     auto = args.max_num_batched_tokens == AUTO
-    args.max_num_batched_tokens = settle_budget(args, choice).budget
+    given = None if auto else settle_budget(args, None)  # a bad number fails before any calibration
+    choice = _step_profile(args)
+    args.max_num_batched_tokens = (given or settle_budget(args, choice)).budget
     llm_engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     log.info("loaded in %.1f s: %s", time.perf_counter() - t0, llm_engine.describe())
     if choice is not None:
