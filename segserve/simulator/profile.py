@@ -272,7 +272,7 @@ def calibrate_quick(fp, log=print):
     from segserve.simulator.fit import fit_linear
     from segserve.simulator.step_model import ModelShape
 
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), _load_average()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[fp.dtype]
     loaded = load_model(fp.model, dtype=dtype)
     log(f"[profile] loaded {loaded.name} {fp.dtype} in {time.perf_counter() - t0:.1f} s")
@@ -286,7 +286,20 @@ def calibrate_quick(fp, log=print):
     fitted, stats = fit_linear(samples, model=shape, source=source, decode_gathers=gathers)
     stats["by_kind"] = errors_by_kind(fitted, samples)
     stats["seconds"] = time.perf_counter() - t0
+    stats["load_average"] = [load0, _load_average()]
+    if max(stats["load_average"]) > fp.cpu_count:
+        log(f"[profile] warning: the machine was busy (1-minute load {load0:.1f} -> {_load_average():.1f} on "
+            f"{fp.cpu_count} CPUs): this profile describes it under that load; recalibrate when it is quiet")
     return fitted, stats
+
+
+def _load_average() -> float:
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
 
 
 def errors_by_kind(model, samples: list[tuple[StepComposition, float]]) -> dict[str, dict[str, float]]:
