@@ -488,11 +488,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def _run_profile_quick(args: argparse.Namespace) -> int:
     """``profile --quick``: measure, fit, print the fit's error (overall and per kind of step), cache."""
-    from dataclasses import asdict
-
     from segserve.simulator.calibration import machine_fingerprint, profile_path, save_cached
     from segserve.simulator.profile import calibrate_quick
-    from segserve.simulator.step_model import save_profile
 
     if args.from_samples or args.roofline:
         raise ValueError("--quick measures this machine: not with --from-samples or --roofline")
@@ -501,7 +498,7 @@ def _run_profile_quick(args: argparse.Namespace) -> int:
     fitted, stats = calibrate_quick(fp)
     path = save_cached(fitted, fp, stats, profile_path(fp))
     if args.output:
-        save_profile(fitted, args.output, {"fit": stats, "fingerprint": asdict(fp)})
+        save_cached(fitted, fp, stats, Path(args.output))  # the same file: --profile checks it too
     kinds = ", ".join(
         f"{k} {v['mean_rel_err']:+.0%} (n={v['n']})" for k, v in stats["by_kind"].items()
     )

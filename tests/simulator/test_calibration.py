@@ -193,4 +193,6 @@ def test_profile_quick_prints_the_fit_error_and_caches(model_file, monkeypatch, 
     fp = cal.machine_fingerprint(model_file)
     assert f"wrote {cal.profile_path(fp)} and {copy}" in out
     assert cal.choose_profile(fp).origin == "cached"
+    given = cal.choose_profile(fp, given=str(copy))
+    assert given.origin == "given" and given.warning is None
     assert main(["profile"]) == 2 and "give --output FILE" in capsys.readouterr().err
