@@ -20,6 +20,7 @@ from array import array
 from segserve.core.request import is_decode
 from segserve.simulator.step_model import (
     FEATURES,
+    SMALL_STEP_ROWS,
     LinearStepModel,
     RequestSlice,
     StepComposition,
@@ -86,10 +87,10 @@ class StepErrorMonitor:
                 ctx += prior + 1
             else:
                 attn += n * (prior + (n + 1) / 2)
-        c = self._coef
+        c, padded = self._coef, so.total_num_scheduled_tokens_padded
         self._predicted = (
-            c[0] + c[1] * so.total_num_scheduled_tokens_padded + c[2] * sampled
-            + c[3] * len(so.num_scheduled_tokens) + c[4] * attn + c[5] * ctx
+            c[0] + c[1] * padded + c[2] * sampled + c[3] * len(so.num_scheduled_tokens) + c[4] * attn
+            + c[5] * ctx + c[7] * (padded > SMALL_STEP_ROWS)
         )
 
     def end(self, seconds: float) -> None:

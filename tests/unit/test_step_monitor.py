@@ -12,7 +12,7 @@ from segserve.simulator.step_model import LinearStepModel, RequestSlice, StepCom
 
 MODEL = LinearStepModel(
     {"step": 0.01, "padded_tokens": 1e-3, "sampled": 2e-3, "requests": 5e-4, "prefill_attn": 1e-7,
-     "decode_ctx": 1e-6}
+     "decode_ctx": 1e-6, "eager_step": 0.02}
 )
 
 
