@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -51,9 +52,10 @@ def run_slice(args, offset: int, out: Path) -> dict:
         "--max-output-len", str(args.max_output_len), "--max-num-batched-tokens", str(args.budget),
         "--compare-real", "--output-json", str(out),
     ] + (["--profile", args.profile] if args.profile else [])
+    load = os.getloadavg()[0]
     if main(argv) != 0:
         raise SystemExit(f"simulate failed on slice {offset}")
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()) | {"load_average": [load, os.getloadavg()[0]]}
 
 
 def main() -> int:
@@ -103,6 +105,12 @@ def table(results: dict) -> str:
             ratio = res["sim_over_real"].get(m)
             cells.append("n/a" if ratio is None else f"{ratio:.3f} ({sim:.4g}, {real:.4g})")
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {goal} |")
+    steps = [f"{r['steps']['mean_step_time_ms'] / r['real']['mean_step_time_ms']:.3f}"
+             for r in results.values() if "mean_step_time_ms" in r.get("real", {})]
+    if steps:
+        lines.append("| mean step time | " + " | ".join(steps) + " | |")
+    loads = [f"{r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}" for r in results.values()]
+    lines.append("| 1-min load average | " + " | ".join(loads) + " | |")
     return "\n".join(lines)
 
 
