@@ -41,6 +41,20 @@ def _gib(text: str) -> float:
     return value
 
 
+def _budget(text: str) -> int | str:
+    """``--max-num-batched-tokens``: an integer >= 1, or ``auto`` (sized from the step profile by the
+    commands that support it: ``serve``, ``simulate``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Engine settings as given (flags or keywords, vLLM's names), before the model is known.
@@ -150,6 +164,11 @@ class EngineArgs:
             name: getattr(args, name) for name, _ in _FLAGS if name != "kv_cache_memory_bytes"
         }
         given["kv_cache_memory_bytes"] = int(args.kv_cache_memory * GIB)
+        if given["max_num_batched_tokens"] == "auto":
+            raise ValueError(
+                "--max-num-batched-tokens auto is sized from the step profile by `segserve serve` and "
+                "`segserve simulate`; give a number here"
+            )
         return cls(**given)
 
 
@@ -163,7 +182,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("num_kv_blocks", dict(type=int, help="KV blocks (default: from --kv-cache-memory)")),
     ("kv_cache_memory_bytes", dict(type=_gib, help="KV cache budget, GiB")),
     ("max_model_len", dict(type=int, help="tokens per request (default: model's)")),
-    ("max_num_batched_tokens", dict(type=int, help="per-step token budget")),
+    ("max_num_batched_tokens", dict(type=_budget, help="per-step token budget, or auto (serve, simulate)")),
     ("max_num_seqs", dict(type=int, help="running requests at once")),
     ("enable_prefix_caching", dict(action=argparse.BooleanOptionalAction, help="reuse shared prefixes")),
     ("long_prefill_token_threshold", dict(type=int, help="chunk cap per request (0: none)")),

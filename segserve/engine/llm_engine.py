@@ -22,6 +22,7 @@ from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import SchedulerOutput
 from segserve.engine.output_processor import OutputProcessor, child_request_id
+from segserve.engine.step_monitor import StepErrorMonitor
 from segserve.engine_args import EngineArgs
 from segserve.models.llama import kv_cache_bytes_per_token
 from segserve.models.loader import LoadedModel, load_model
@@ -106,6 +107,9 @@ class LLMEngine:
         # Called with each step's SchedulerOutput right after scheduling, while request state still
         # matches it (profilers and tests read the step's composition here).
         self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
+        # Set by the server (``segserve serve``): compares each step's time with the step profile's
+        # prediction (``segserve.engine.step_monitor``); None costs nothing.
+        self.step_monitor: StepErrorMonitor | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -232,11 +236,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return the requests that progressed this step."""
+        t0 = time.perf_counter()
         so = self.scheduler.schedule()
         for observe in self.schedule_observers:
             observe(so)
         now = time.monotonic()
-        for rid, prior in so.num_prior_tokens().items():
+        priors = so.num_prior_tokens()
+        monitor = self.step_monitor
+        if monitor is not None:
+            monitor.begin(self.scheduler, so, priors)
+        for rid, prior in priors.items():
             had_prompt_tokens = prior < self.scheduler.requests[rid].num_prompt_tokens
             self.output_processor.record_scheduled(rid, had_prompt_tokens, now)
         try:
@@ -249,6 +258,8 @@ class LLMEngine:
         if stop_hits:
             self.scheduler.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
         self.step_count += 1
+        if monitor is not None:
+            monitor.end(time.perf_counter() - t0)
         return outputs
 
     def _fail_step(self, so) -> None:

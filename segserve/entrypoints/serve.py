@@ -7,6 +7,9 @@ import logging
 import time
 
 from segserve.engine_args import EngineArgs
+from segserve.simulator.budget import AUTO, add_budget_args
+
+log = logging.getLogger("segserve")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +27,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="bound on the waiting queue; requests beyond it get HTTP 503",
     )
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
-    srv.set_defaults(func=run_serve)
+    add_budget_args(srv)
+    srv.add_argument(
+        "--profile", default=None,
+        help="step-time profile JSON for the auto budget and the live step-error metrics (default: this "
+        "machine's cached one, else the built-in, with a warning)",
+    )
+    srv.add_argument(
+        "--calibrate", action="store_true",
+        help="no usable cached profile for this machine: measure one at start-up (about a minute on 2 idle "
+        "cores; profile --quick) and cache it",
+    )
+    # The server sizes its budget for --target-itl-ms; offline use (LLM, generate) keeps 512.
+    srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -32,6 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from segserve import LLMEngine
+    from segserve.engine.step_monitor import StepErrorMonitor
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
 
     if args.max_waiting_requests < 1:
@@ -40,11 +56,18 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
+    auto = args.max_num_batched_tokens == AUTO
+    given = None if auto else settle_budget(args, None)  # a bad number fails before any calibration
+    choice = _step_profile(args)
+    args.max_num_batched_tokens = (given or settle_budget(args, choice)).budget
     llm_engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    log = logging.getLogger("segserve")
     log.info("loaded in %.1f s: %s", time.perf_counter() - t0, llm_engine.describe())
+    if choice is not None:
+        source = choice.line.removeprefix("step profile: ")
+        llm_engine.step_monitor = StepErrorMonitor(choice.model, source=source)
     app, engine = make_server(
-        llm_engine, args.served_model_name, args.max_waiting_requests, args.log_interval
+        llm_engine, args.served_model_name, args.max_waiting_requests, args.log_interval,
+        budget_source="auto" if auto else "given",
     )
     sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])
@@ -53,3 +76,36 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _step_profile(args: argparse.Namespace):
+    """The step profile (``calibration.choose_profile``), logged in one line. With ``auto`` its errors
+    stop the start-up; with a given budget the profile only feeds the live error metrics, so an unusable
+    cache file is logged and the metrics go without (None)."""
+    from segserve.simulator.calibration import ProfileError, choose_profile, fingerprint_for_args
+
+    try:
+        choice = choose_profile(fingerprint_for_args(args), args.profile, args.calibrate)
+    except ProfileError as e:
+        if args.max_num_batched_tokens == AUTO:
+            raise
+        log.warning("no step-error metrics: %s", e)
+        return None
+    log.info("%s", choice.line)
+    if choice.warning:
+        log.warning("%s", choice.warning)
+    return choice
+
+
+def settle_budget(args: argparse.Namespace, choice):
+    """``--max-num-batched-tokens``: a number (at least one block) or ``auto`` from the profile; logged.
+    The model's context length is not known before it loads: without --max-model-len the search runs
+    to ``AUTO_MAX_BUDGET``, its cap anyway."""
+    from segserve.simulator import budget
+
+    settled = budget.settle_budget(
+        args.max_num_batched_tokens, choice and choice.model, args.target_itl_ms, args.block_size,
+        args.max_num_seqs, args.max_model_len or budget.AUTO_MAX_BUDGET,
+    )
+    log.info("%s", settled.line)
+    return settled

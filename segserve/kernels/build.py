@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -55,6 +56,29 @@ def _cpu_flags() -> set[str]:
 
 def _compiler() -> str:
     return os.environ.get("CC", "gcc")
+
+
+def switched_on_by_env() -> bool:
+    """``SEGSERVE_CPU_KERNELS`` is unset or not one of 0/false/off/no (the process-wide default)."""
+    return os.environ.get("SEGSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+def source_hash() -> str:
+    """SHA-256 (first 16 hex digits) of every C source's name and bytes: what a step profile measured
+    with the kernels depends on (torch-free; builds nothing)."""
+    key = hashlib.sha256()
+    for f in SOURCES:
+        key.update(f.name.encode() + f.read_bytes())
+    return key.hexdigest()[:16]
+
+
+def expected_available() -> bool:
+    """Whether :func:`load` can be expected to succeed here (the CPU's flags and a compiler on PATH),
+    judged without building or importing torch; the step-profile fingerprint uses it."""
+    if not switched_on_by_env():
+        return False
+    flags = _cpu_flags()
+    cpu_ok = platform.machine() in ("x86_64", "AMD64") and all(f in flags for f in REQUIRED_CPU_FLAGS)
+    return cpu_ok and shutil.which(_compiler().split()[0]) is not None
 
 
 def _digest_path(target: Path) -> Path:

@@ -11,7 +11,6 @@ Switches: ``SEGSERVE_CPU_KERNELS=0`` in the environment turns the kernels off fo
 from __future__ import annotations
 
 import ctypes
-import os
 from contextlib import contextmanager
 
 import torch
@@ -32,7 +31,7 @@ _PROLOGUES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 # ~200 eager ops a step saves weigh more.
 MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 
-_switch = os.environ.get("SEGSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+_switch = build.switched_on_by_env()
 _lib = None
 
 # The argument structs of the C entry points (``sg_*_args`` in csrc/segserve_cpu.c), field for field in

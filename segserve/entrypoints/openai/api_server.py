@@ -96,6 +96,7 @@ def make_server(
     served_model_names: list[str] | None = None,
     max_waiting_requests: int = 256,
     log_interval_s: float = 10.0,
+    budget_source: str = "given",
 ) -> tuple[FastAPI, AsyncLLMEngine]:
     """Wrap an ``LLMEngine`` in a started ``AsyncLLMEngine`` (metrics + log line) and build the app.
 
@@ -104,9 +105,12 @@ def make_server(
         served_model_names: names accepted as ``model`` (default: the model's name).
         max_waiting_requests: bound on the waiting queue; beyond it requests get 503.
         log_interval_s: period of the stats log line, seconds.
+        budget_source: ``"auto"`` when the step budget was sized from the step profile (the label of
+            ``segserve:max_num_batched_tokens``), else ``"given"``.
     """
     names = served_model_names or [llm_engine.loaded.name]
     metrics = EngineMetrics(names[0])
+    metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
     engine.start()
     return build_app(engine, names, metrics), engine

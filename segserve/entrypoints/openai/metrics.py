@@ -8,6 +8,13 @@ written for vLLM read them unchanged: ``vllm:num_requests_running``/``waiting``,
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``. Counters carry the
 ``_total`` suffix in the exposition, as ``prometheus_client`` writes them.
+
+segserve's own, under ``segserve:``: ``segserve:max_num_batched_tokens`` (the step budget, label
+``source`` = ``auto`` or ``given``) beside vLLM's ``vllm:cache_config_info`` (an info gauge of 1 whose
+labels are the cache settings), and the step model's live error when the engine has a
+``step_monitor``: the histogram ``segserve:step_time_predicted_over_actual`` (one observation per
+step: predicted / measured step time) and the gauge ``segserve:step_time_prediction_median_error``
+(median ``|predicted / actual - 1|`` over the monitor's last window).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ logger = logging.getLogger("segserve")
 # Bucket edges, seconds: CPU serving spans milliseconds (a decode) to minutes (a long prompt queued).
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 80.0, 160.0)
+# Predicted / actual step time: 1 is a perfect prediction; 0.8-1.25 is within the 20 % warning line.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 class EngineMetrics:
@@ -58,6 +67,17 @@ class EngineMetrics:
         self.itl = self._hist("vllm:inter_token_latency_seconds", "Time between output tokens")
         self.e2e = self._hist("vllm:e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = self._hist("vllm:request_queue_time_seconds", "Arrival to first scheduled")
+        self.budget = Gauge("segserve:max_num_batched_tokens", "Per-step token budget (source: auto or "
+                            "given)", names + ["source"], registry=r)
+        cache_labels = ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"]
+        self.cache_info = Gauge("vllm:cache_config_info", "Cache settings (labels; value 1)",
+                                names + cache_labels, registry=r)
+        self.step_ratio = Histogram("segserve:step_time_predicted_over_actual", "Step-time model's "
+                                    "predicted / measured step time", names, buckets=RATIO_BUCKETS,
+                                    registry=r)
+        self.step_error = Gauge("segserve:step_time_prediction_median_error", "Median |predicted / actual "
+                                "- 1| of step times over the last window", names, registry=r)
+        self._monitored_steps = 0
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
         # Request id -> time of its latest token (completion 0), for inter-token latency.
@@ -66,9 +86,21 @@ class EngineMetrics:
     def _hist(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
 
+    def describe_engine(self, engine, budget_source: str = "given") -> None:
+        """Export the engine's settings (once, at start-up): the step budget and the cache settings."""
+        cfg = engine.config
+        self.budget.labels(**self.labels, source=budget_source).set(cfg.scheduler.max_num_batched_tokens)
+        dtype = str(next(engine.loaded.model.parameters()).dtype).removeprefix("torch.")
+        self.cache_info.labels(
+            **self.labels, block_size=str(cfg.cache.block_size), cache_dtype=dtype,
+            enable_prefix_caching=str(cfg.cache.enable_prefix_caching),
+            num_gpu_blocks=str(engine.num_kv_blocks),
+        ).set(1)
+
     def on_step(self, info: StepInfo) -> None:
         """Update gauges and counters from one step (engine thread)."""
         labels = self.labels
+        self._step_error(info.engine.step_monitor)
         stats = info.engine.scheduler.make_stats()
         self.running.labels(**labels).set(stats.num_running)
         self.waiting.labels(**labels).set(stats.num_waiting)
@@ -76,6 +108,15 @@ class EngineMetrics:
         self._cache_and_preemption_deltas(stats)
         for out in info.outputs:
             self._request_step(out, info.new_tokens.get(out.request_id, 0), info.now)
+
+    def _step_error(self, monitor) -> None:
+        """The monitor's latest ratio, once per measured step (idle calls observe nothing)."""
+        if monitor is None or monitor.num_steps == self._monitored_steps:
+            return
+        self._monitored_steps = monitor.num_steps
+        self.step_ratio.labels(**self.labels).observe(monitor.last_ratio)
+        if monitor.num_steps % monitor.window == 0:
+            self.step_error.labels(**self.labels).set(monitor.last_median_error)
 
     def _cache_and_preemption_deltas(self, stats: SchedulerStats) -> None:
         queries, hits = stats.prefix_cache.queries, stats.prefix_cache.hits

@@ -1,0 +1,125 @@
+"""``--max-num-batched-tokens auto``: the largest step budget whose predicted step meets a target ITL.
+
+Sarathi-Serve's rule (Agrawal et al., OSDI 2024): size the per-step token budget so that a step that
+carries a prefill chunk beside the running decodes still fits the inter-token-latency target. Here the
+step model predicts the step: ``AUTO_DECODES`` decodes (or ``max_num_seqs`` when smaller) at
+``AUTO_CONTEXT`` tokens of context, plus one chunk filling the rest of the budget after
+``AUTO_CONTEXT`` cached tokens, padded as the engine pads it (the default buckets: a budget of 96
+runs 128 rows). The budget is the largest multiple of the block size (at least one block, at most
+``AUTO_MAX_BUDGET`` or ``max_model_len``) whose predicted step is <= the target. Later chunks of long
+prompts attend over more cached tokens and run longer than the target; ``--attention-cost-tokens``
+shrinks those. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from segserve.config import default_token_buckets
+from segserve.simulator.step_model import RequestSlice, StepComposition, StepTimeModel
+
+AUTO = "auto"
+# 250 ms: a stream never falls below 4 tokens/s (about reading speed) while a prompt is chunked
+# beside it. On 2 CPU cores a decode-only step takes 20-60 ms, so only chunk-carrying steps come
+# near it, and a 512-token step takes 0.7-1 s: a lower target (100-150 ms) leaves budgets of 32-64
+# tokens whose fixed per-step cost (~17 ms, Python and launches) taxes prefill by 15-35 %, a higher
+# one (500 ms+) gives up the point of chunking. The built-in CPU profile gives 128 tokens at 250 ms.
+DEFAULT_TARGET_ITL_MS = 250.0
+# The step the budget is sized for: a handful of chat streams decoding while a prompt is chunked.
+AUTO_DECODES = 8
+AUTO_CONTEXT = 256
+AUTO_MAX_BUDGET = 8192
+
+
+def parse_target_ms(text: str) -> float:
+    """``--target-itl-ms``: a finite number of milliseconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds > 0, got {text}")
+    return value
+
+
+def add_budget_args(parser: argparse.ArgumentParser) -> None:
+    """``--target-itl-ms`` (what ``--max-num-batched-tokens auto`` sizes for)."""
+    parser.add_argument(
+        "--target-itl-ms", type=parse_target_ms, default=DEFAULT_TARGET_ITL_MS,
+        help="with --max-num-batched-tokens auto: the predicted step with running decodes plus a prefill "
+        "chunk stays under this (ms)",
+    )
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """A settled step budget.
+
+    Attributes:
+        budget: tokens per step.
+        auto: whether it was sized from the profile (False: given).
+        predicted_s: the predicted time of the sized-for step (NaN when given).
+        target_s: the target (NaN when given).
+        line: one line for the log.
+    """
+
+    budget: int
+    auto: bool
+    predicted_s: float
+    target_s: float
+    line: str
+
+
+def sized_step(budget: int, max_num_seqs: int, max_model_len: int) -> StepComposition:
+    """The step ``auto`` sizes ``budget`` for (see the module docstring)."""
+    decodes = min(AUTO_DECODES, max_num_seqs, budget)
+    ctx = max(0, min(AUTO_CONTEXT, max_model_len - budget - 1))
+    slices = [RequestSlice(ctx, 1, True, True)] * decodes
+    if budget > decodes:
+        slices.append(RequestSlice(ctx, budget - decodes, False, False))
+    return StepComposition(tuple(slices), default_token_buckets(budget)[-1])
+
+
+def auto_budget(
+    model: StepTimeModel, target_s: float, block_size: int, max_num_seqs: int, max_model_len: int
+) -> BudgetChoice:
+    """The largest multiple of ``block_size`` in ``[block_size, min(AUTO_MAX_BUDGET, max_model_len)]``
+    whose ``sized_step`` the model predicts at <= ``target_s`` (``block_size`` when none does)."""
+    top = max(block_size, min(AUTO_MAX_BUDGET, max_model_len) // block_size * block_size)
+    best, best_t = block_size, model.predict(sized_step(block_size, max_num_seqs, max_model_len))
+    for b in range(2 * block_size, top + 1, block_size):
+        t = model.predict(sized_step(b, max_num_seqs, max_model_len))
+        if t <= target_s:
+            best, best_t = b, t
+    decodes = min(AUTO_DECODES, max_num_seqs, best)
+    verdict = "<=" if best_t <= target_s else "> (even one block misses it)"
+    line = (
+        f"max_num_batched_tokens auto = {best}: predicted step {1000 * best_t:.0f} ms {verdict} "
+        f"--target-itl-ms {1000 * target_s:.0f} ({decodes} decodes at {AUTO_CONTEXT} tokens of context "
+        f"+ a {best - decodes}-token chunk after {AUTO_CONTEXT} cached)"
+    )
+    return BudgetChoice(best, True, best_t, target_s, line)
+
+
+def settle_budget(
+    value: int | str, model: StepTimeModel | None, target_ms: float, block_size: int, max_num_seqs: int,
+    max_model_len: int,
+) -> BudgetChoice:
+    """``--max-num-batched-tokens`` as given (a number, checked against the block size) or ``auto``.
+
+    Raises:
+        ValueError: a number below ``block_size``, naming the flag and the limit; ``auto`` without a
+            step model.
+    """
+    if value == AUTO:
+        if model is None:
+            raise ValueError("--max-num-batched-tokens auto needs a step profile; none is usable here")
+        return auto_budget(model, target_ms / 1000, block_size, max_num_seqs, max_model_len)
+    if value < block_size:
+        raise ValueError(
+            f"--max-num-batched-tokens {value} is below the block size {block_size} (--block-size): "
+            f"give at least {block_size}, or auto"
+        )
+    return BudgetChoice(value, False, math.nan, math.nan, f"max_num_batched_tokens = {value} (given)")

@@ -1,0 +1,110 @@
+"""``--max-num-batched-tokens auto``: the exact budget a synthetic profile gives, and every bad value
+of the new flags failing at start-up with the flag and the limit named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from segserve.entrypoints.cli import build_parser, main
+from segserve.simulator.budget import AUTO_CONTEXT, AUTO_DECODES, auto_budget, settle_budget, sized_step
+from segserve.simulator.step_model import LinearStepModel
+
+# 10 ms a step + 1 ms a padded row: a budget B costs 10 + bucket(B) ms (buckets: 16..256 by powers of
+# two, then multiples of 256).
+ROWS = LinearStepModel({"step": 0.010, "padded_tokens": 0.001})
+
+
+@pytest.mark.parametrize(
+    "target_s, budget",
+    [
+        (0.2, 128),  # bucket 128 -> 138 ms; 144 pads to 256 -> 266 ms
+        (0.266, 256),
+        (0.5, 256),  # 272 pads to 512 -> 522 ms
+        (1.0, 768),  # 784 pads to 1024 -> 1034 ms
+        (0.03, 16),  # 26 ms; 32 -> 42 ms
+        (0.001, 16),  # nothing fits: one block
+    ],
+)
+def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, budget):
+    choice = auto_budget(ROWS, target_s, block_size=16, max_num_seqs=64, max_model_len=8192)
+    assert choice.budget == budget and choice.auto
+    assert f"auto = {budget}" in choice.line
+
+
+def test_auto_budget_counts_decodes_and_the_chunk_attention():
+    model = LinearStepModel(
+        {"step": 0.010, "padded_tokens": 0.001, "sampled": 0.002, "decode_ctx": 1e-6, "prefill_attn": 1e-7}
+    )
+    step = sized_step(128, max_num_seqs=64, max_model_len=8192)
+    assert step.num_decodes == AUTO_DECODES and step.num_prefill_tokens == 128 - AUTO_DECODES
+    chunk = 128 - AUTO_DECODES
+    expected = (0.010 + 0.128 + AUTO_DECODES * (0.002 + (AUTO_CONTEXT + 1) * 1e-6)
+                + chunk * (AUTO_CONTEXT + (chunk + 1) / 2) * 1e-7)
+    assert math.isclose(model.predict(step), expected)
+    # 8 x 2 ms of LM head + 2 ms of context + 4.9 ms of attention: 128 (161 ms) fits 0.17 s, 256 not.
+    assert auto_budget(model, 0.17, 16, 64, 8192).budget == 128
+    # Fewer running sequences allowed than AUTO_DECODES: the step has only that many decodes.
+    assert sized_step(64, max_num_seqs=2, max_model_len=8192).num_decodes == 2
+    # Small max_model_len bounds the budget and the context.
+    assert auto_budget(ROWS, 10.0, 16, 64, max_model_len=100).budget == 96
+
+
+def test_a_given_budget_wins_and_must_hold_a_block():
+    assert settle_budget(512, ROWS, 250, 16, 64, 8192).budget == 512
+    assert settle_budget("auto", ROWS, 200, 16, 64, 8192).budget == 128
+    with pytest.raises(ValueError, match=r"--max-num-batched-tokens 8 is below the block size 16 \(--block"):
+        settle_budget(8, ROWS, 250, 16, 64, 8192)
+
+
+BUDGET_ERROR = "argument --max-num-batched-tokens: must be an integer >= 1 or 'auto'"
+
+
+@pytest.mark.parametrize("command", ["serve", "simulate"])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-num-batched-tokens", "atuo"], BUDGET_ERROR),
+        (["--max-num-batched-tokens", "0"], BUDGET_ERROR),
+        (["--target-itl-ms", "0"], "argument --target-itl-ms: must be a number of milliseconds > 0"),
+        (["--target-itl-ms", "-5"], "argument --target-itl-ms: must be a number of milliseconds > 0"),
+        (["--target-itl-ms", "nan"], "argument --target-itl-ms: must be a number of milliseconds > 0"),
+    ],
+)
+def test_bad_flag_values_fail_at_start_up_naming_the_flag_and_the_limit(command, flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([command, *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_budget_below_the_block_size_fails_before_any_model_loads(capsys):
+    assert main(["serve", "--max-num-batched-tokens", "8", "--block-size", "16"]) == 2
+    assert "--max-num-batched-tokens 8 is below the block size 16" in capsys.readouterr().err
+    tiny = ["--synthetic", "3", "--input-len", "64", "--output-len", "4", "--rate", "1"]
+    assert main(["simulate", *tiny, "--max-num-batched-tokens", "16", "--block-size", "32"]) == 2
+    assert "below the block size 32" in capsys.readouterr().err
+
+
+def test_serve_defaults_to_auto_and_offline_commands_keep_512(capsys):
+    args = build_parser().parse_args(["serve"])
+    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 250.0
+    assert build_parser().parse_args(["generate"]).max_num_batched_tokens == 512
+    assert main(["generate", "--max-num-batched-tokens", "auto", "--prompt", "hi"]) == 2
+    assert "give a number here" in capsys.readouterr().err
+
+
+def test_simulate_sizes_auto_from_the_profile(tmp_path, capsys):
+    import json
+
+    from segserve.simulator.step_model import save_profile
+
+    prof = tmp_path / "p.json"
+    save_profile(ROWS, prof)
+    out = tmp_path / "r.json"
+    tiny = ["--synthetic", "5", "--input-len", "300", "--output-len", "4", "--rate", "1"]
+    rc = main(["simulate", *tiny, "--profile", str(prof), "--max-num-batched-tokens", "auto",
+               "--target-itl-ms", "200", "--output-json", str(out)])
+    assert rc == 0
+    assert json.loads(out.read_text())["settings"]["max_num_batched_tokens"] == 128
+    assert "[simulate] max_num_batched_tokens auto = 128" in capsys.readouterr().err
