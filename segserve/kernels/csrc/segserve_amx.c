@@ -19,9 +19,9 @@
  *
  * Blocking: threads (OpenMP, PyTorch's pool) split the output's column blocks evenly; each walks its
  * columns in panels of up to 2 blocks (row pairs of tiles: 2 x 2 accumulators, 2 A + 2 B tiles) or 4
- * blocks (a single row tile: 1 x 4 accumulators, 1 A + 3 B tiles), over chunks of MC_TILES row tiles so
- * the chunk of x (<= 256 rows x K) and the panel of W (<= 4 x K x 32 bytes) stay in the 2 MiB L2 while
- * each is reused. x is read straight from its row-major rows (tile loads with its stride); a last partial
+ * blocks (a single row tile: 1 x 4 accumulators, 1 A + 3 B tiles); cache blocking keeps a ~1 MiB chunk
+ * of W's columns and a ~128 KiB chunk of x's rows together in the 2 MiB L2: the W chunk is reused by
+ * every row chunk, the x chunk by the W chunk's panels. x is read straight from its row-major rows (tile loads with its stride); a last partial
  * row tile is the 16 rows ending at row M (overlapping the previous tile; only its new rows are written)
  * and M < 16 configures tiles of M rows.
  *
@@ -49,7 +49,12 @@ enum { AMX_DT_F32 = 0, AMX_DT_BF16 = 1 };
 enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2 };
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
-#define MC_TILES 16   /* row tiles (16 rows each) per chunk of x: 256 rows */
+#ifndef L2_W_BYTES
+#define L2_W_BYTES (1 << 20) /* weight bytes per column chunk, kept in L2 (2 MiB per core) */
+#endif
+#ifndef L2_X_BYTES
+#define L2_X_BYTES (1 << 17) /* bytes of x per row chunk, kept in L2 beside it */
+#endif
 #define TILE_ELEMS 512 /* bf16 values in one packed B tile (16 rows x 32) */
 
 #define ARCH_GET_XCOMP_PERM 0x1022
@@ -306,49 +311,64 @@ static inline int64_t tile_row(int64_t i, int64_t M, int *skip) {
     return m0;
 }
 
+/* Column units [u, u + units) over row tiles [t0, t1): the microkernel per row tile (pair), then the
+ * stores. ``pair``: take row tiles two at a time (2 x 2 kernel) where two are left. */
+AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, int64_t u, int units, int64_t t0,
+                             int64_t t1, int pair, float c[4][256]) {
+    const int64_t M = a->M, KS = a->K / 32, ldxb = a->ldx * 2;
+    const int silu = a->epilogue == EPI_SILU_MUL;
+    const int64_t half = a->N / 32; /* EPI_SILU_MUL: column blocks of the gate half */
+    const int rows = M < 16 ? (int)M : 16, nr = silu ? 2 * units : units;
+    const uint16_t *b[4];
+    for (int j = 0; j < units; j++) {
+        b[j] = a->packed + (u + j) * KS * TILE_ELEMS;
+        if (silu) b[units + j] = a->packed + (half + u + j) * KS * TILE_ELEMS;
+    }
+    for (int64_t t = t0; t < t1;) {
+        int skip0, skip1;
+        int64_t m0 = tile_row(t, M, &skip0);
+        if (pair && t + 1 < t1) {
+            int64_t m1 = tile_row(t + 1, M, &skip1);
+            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, c);
+            for (int j = 0; j < units; j++) {
+                int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
+                /* c[0], c[1]: row tile m0, blocks 0 and 1; c[2], c[3]: row tile m1. */
+                store_tile(p, c[j], silu ? c[1] : NULL, skip0, 16, m0, col, col, bu);
+                store_tile(p, c[2 + j], silu ? c[3] : NULL, skip1, 16, m1, col, col, bu);
+            }
+            t += 2;
+        } else {
+            kernel_1x(a->x + m0 * a->ldx, ldxb, b, nr, KS, c);
+            for (int j = 0; j < units; j++) {
+                int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
+                store_tile(p, c[j], silu ? c[units + j] : NULL, skip0, rows, m0, col, col, bu);
+            }
+            t += 1;
+        }
+    }
+}
+
 /* One thread's share: column units [u0, u1) (a unit is a 16-column block, or for EPI_SILU_MUL a pair
  * gate block j / up block j) over every row. */
 AMX_TARGET static void gemm_share(const sg_amx_linear_args *a, const store_plan *p, int64_t u0, int64_t u1) {
-    const int64_t M = a->M, K = a->K, KS = K / 32, ldxb = a->ldx * 2;
+    const int64_t M = a->M, K = a->K, MT = (M + 15) / 16;
     const int silu = a->epilogue == EPI_SILU_MUL;
-    const int64_t half = a->N / 32; /* EPI_SILU_MUL: column blocks of the gate half */
-    const int64_t MT = (M + 15) / 16;
-    const int rows = M < 16 ? (int)M : 16;
     float c[4][256] __attribute__((aligned(64)));
-    for (int64_t t0 = 0; t0 < MT; t0 += MC_TILES) {
-        int64_t t1 = t0 + MC_TILES < MT ? t0 + MC_TILES : MT;
-        /* Pairs of row tiles take panels of 2 column blocks; a chunk of one row tile takes 4. */
-        int pair = t1 - t0 >= 2;
-        int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
-        for (int64_t u = u0; u < u1; u += per) {
-            int units = (int)(u1 - u < per ? u1 - u : per), nr = silu ? 2 * units : units;
-            const uint16_t *b[4];
-            for (int j = 0; j < units; j++) {
-                b[j] = a->packed + (u + j) * KS * TILE_ELEMS;
-                if (silu) b[units + j] = a->packed + (half + u + j) * KS * TILE_ELEMS;
-            }
-            for (int64_t t = t0; t < t1;) {
-                int skip0, skip1;
-                int64_t m0 = tile_row(t, M, &skip0);
-                if (pair && t + 1 < t1) {
-                    int64_t m1 = tile_row(t + 1, M, &skip1);
-                    kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, c);
-                    for (int j = 0; j < units; j++) {
-                        int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
-                        /* c[0], c[1]: row tile m0, blocks 0 and 1; c[2], c[3]: row tile m1. */
-                        store_tile(p, c[j], silu ? c[1] : NULL, skip0, 16, m0, col, col, bu);
-                        store_tile(p, c[2 + j], silu ? c[3] : NULL, skip1, 16, m1, col, col, bu);
-                    }
-                    t += 2;
-                } else {
-                    kernel_1x(a->x + m0 * a->ldx, ldxb, b, nr, KS, c);
-                    for (int j = 0; j < units; j++) {
-                        int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
-                        store_tile(p, c[j], silu ? c[units + j] : NULL, skip0, rows, m0, col, col, bu);
-                    }
-                    t += 1;
-                }
-            }
+    /* Cache blocking: a chunk of the weight's column units (~L2_W_BYTES) is reused from L2 across every
+     * chunk of rows (~L2_X_BYTES of x), and that chunk of x across the chunk's column panels. */
+    const int64_t unit_bytes = K * 32 * (silu ? 2 : 1);
+    int64_t nc = L2_W_BYTES / unit_bytes / 4 * 4, mc = L2_X_BYTES / (K * 32) / 2 * 2;
+    if (nc < 4) nc = 4;
+    if (mc < 2) mc = 2;
+    for (int64_t c0 = u0; c0 < u1; c0 += nc) {
+        int64_t c1 = c0 + nc < u1 ? c0 + nc : u1;
+        for (int64_t t0 = 0; t0 < MT; t0 += mc) {
+            int64_t t1 = t0 + mc < MT ? t0 + mc : MT;
+            /* Pairs of row tiles take panels of 2 column blocks; a chunk of one row tile takes 4. */
+            int pair = t1 - t0 >= 2;
+            int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
+            for (int64_t u = c0; u < c1; u += per)
+                panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), t0, t1, pair, c);
         }
     }
 }
