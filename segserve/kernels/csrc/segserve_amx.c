@@ -17,13 +17,22 @@
  * B tile: row r holds, for the 16 output columns c, the pair W[nb*16 + c][ks*32 + 2r .. +1] (VNNI). Tile
  * (nb, ks) starts at bf16 offset (nb * K/32 + ks) * 512, so one column block's K steps are contiguous.
  *
- * Blocking: threads (OpenMP, PyTorch's pool) split the output's column blocks evenly; each walks its
+ * Blocking: threads (OpenMP, PyTorch's pool) split the output's column blocks evenly (not the rows: every
+ * projection here has >= 36 blocks, enough for any thread count this is run with); each walks its
  * columns in panels of up to 2 blocks (row pairs of tiles: 2 x 2 accumulators, 2 A + 2 B tiles) or 4
  * blocks (a single row tile: 1 x 4 accumulators, 1 A + 3 B tiles); cache blocking keeps a ~1 MiB chunk
  * of W's columns and a ~128 KiB chunk of x's rows together in the 2 MiB L2: the W chunk is reused by
- * every row chunk, the x chunk by the W chunk's panels. x is read straight from its row-major rows (tile loads with its stride); a last partial
- * row tile is the 16 rows ending at row M (overlapping the previous tile; only its new rows are written)
- * and M < 16 configures tiles of M rows.
+ * every row chunk, the x chunk by the W chunk's panels (software prefetch of the next panel measured no
+ * better). x is read straight from its row-major rows (tile loads with its stride); a last partial row
+ * tile is the 16 rows ending at row M (overlapping the previous tile; only its new rows are written) and
+ * M < 16 configures tiles of M rows.
+ *
+ * Speed (one core of this Xeon, best of many short trials; the machine is shared and its AMX throughput
+ * swings ~2x with the other tenants): the register-only peak ~1,900-2,100 GFLOP/s; the 2 x 2 loop with
+ * its tile loads but all data in L1 ~1,500 (the 8 tiles leave no room to double-buffer the operands, so
+ * each reload waits for the products still reading the tile); the GEMM at 512 rows ~1,000-1,100 on
+ * qkv, o and down (~50 % of peak), ~750-830 on the 3,072-column gate|up, ~900 at 16 rows; the rest goes
+ * to the stores (tile -> float32 buffer -> rounded bf16 rows, every K/32 steps) and x streaming from L2.
  *
  * Tile state is per thread: each call's parallel region loads the tile configuration in every thread
  * and releases it (tilerelease) at the end, so threads that then run AVX-512 or PyTorch code carry no
