@@ -20,6 +20,33 @@ MKL's sgemm is a poor fit below ~16 rows (M = 2 costs twice M = 1); oneDNN's pac
 the weight once for all rows. bfloat16 results are bitwise those of ``F.linear`` (the same oneDNN
 kernel); float32 results differ from MKL's only in summation order (~1e-6 relative), checked in
 tests/unit/test_packed_linear.py and by the float32 parity suite against ``transformers``.
+
+On a CPU with AMX (Intel Sapphire Rapids and later) ``CpuStep.prepack`` packs the bfloat16 projections
+for the AMX GEMM (``segserve.kernels.amx``) *instead of* for oneDNN: ``CpuStep`` runs every bfloat16 step
+of 9 rows or more on it (``forward_amx``) and up to 8 rows the compiled small-batch linears read the
+plain weight, so a oneDNN copy would never be read and one packed copy does (~212 MB for SmolLM2-135M's
+projections; the LM head keeps its oneDNN copy). That holds because the AMX GEMM is as fast as oneDNN's
+packed one or faster from 9 rows up (equal within noise on gate/up from 256 rows):
+``benchmarks/bench_amx_gemm.py`` (results/bench_amx_gemm.json), median GFLOP/s of 30 alternating trials,
+2 threads, shared machine (load ~4), per shape qkv / o / gate_up / down:
+
+=====  =====================  =====================  =====================
+rows   AMX                    oneDNN packed          F.linear
+=====  =====================  =====================  =====================
+9      (a) / (a) / 118 / 162  (a) / (a) / 68 / 73    (a) / (a) / 66 / 75
+16     277 / 260 / 198 / 264  106 / 89 / 122 / 115   104 / 85 / 130 / 112
+64     345 / 376 / 296 / 329  269 / 259 / 234 / 287  231 / 210 / 225 / 235
+256    403 / 416 / 397 / 464  349 / 337 / 404 / 344  360 / 347 / 363 / 310
+512    466 / 505 / 435 / 528  428 / 488 / 442 / 436  475 / 533 / 366 / 504
+2048   472 / 162 / 181 / 172  484 / 172 / 181 / 148  558 / 174 / 236 / 201
+=====  =====================  =====================  =====================
+
+(a) qkv and o at 9 rows: every form's median fell to ~1 GFLOP/s in that run (descheduled trials); the
+best trials were AMX 116 / 119, oneDNN 54 / 63. At 8 rows and below the compiled small-batch linear
+(53-67 GFLOP/s here) stays: the fused decode step saves more than its GEMMs lose. On one thread AMX
+leads oneDNN by 1.4-2.9x at 9 and 16 rows too. From 2,048 rows ``F.linear`` (oneDNN's own blocking of
+the plain weight) overtakes both packed forms on some shapes; the engine's default budget (512) keeps
+steps below that.
 """
 
 from __future__ import annotations
@@ -58,7 +85,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class PackedLinear(nn.Linear):
     """``nn.Linear`` (same parameters and state-dict names) that uses a packed copy of its weight
-    once :meth:`pack` made one (the model runner packs them all, ``segserve.worker.cpu_step``). The
+    once :meth:`pack` made one (the model runner packs them all, ``segserve.worker.cpu_step``, except
+    bfloat16 projections where AMX runs them: see the module docstring). The
     plain ``weight`` stays the source of truth: call :meth:`pack` again after changing it (a stale copy
     would silently compute with the old values)."""
 

@@ -8,9 +8,14 @@ are switched on and every projection has a shape they take:
   every layer in one C call (``DecodeStack``);
 - any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
   the SiLU gate and the residual adds fused in, plus the backend's attention (:func:`forward_small`);
-- larger steps (prefill chunks, big decode batches): oneDNN's GEMMs for the projections, and between
-  them the compiled row kernels: each residual add fused with the next RMSNorm, the SiLU gate, RoPE in
-  place (:func:`forward_chunk`; the eager ops they replace were ~15 % of a 512-token bfloat16 step).
+- larger bfloat16 steps on a CPU with AMX (``segserve.kernels.amx``; at least ``AMX_MIN_ROWS`` rows):
+  each layer as four AMX GEMMs reading the tile-packed weights :meth:`CpuStep.prepack` made, the
+  residual adds and the SiLU gate fused into their stores, the compiled RMSNorm and the backend's
+  attention between them (:func:`forward_amx`);
+- other larger steps (float32, or no AMX): oneDNN's packed GEMMs for the projections (:func:`forward_chunk`).
+
+On both large-step paths the elementwise work between the GEMMs runs in compiled row passes (residual add
+fused with the next RMSNorm, the SiLU gate, RoPE in place) instead of ~15 eager ops per layer.
 
 Otherwise (kernels off or unbuilt, another dtype or device, a weight shape they do not take) the model's
 own forward. The LM head alike: the compiled linear for a few rows, else the oneDNN-packed copy
@@ -23,12 +28,18 @@ import torch
 
 from segserve.attention.metadata import AttentionMetadata
 from segserve.attention.segmented import SegmentedAttentionBackend
+from segserve.kernels import amx
 from segserve.kernels import cpu as cpu_kernels
 from segserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
 
 # rope_'s own limit, checked once per dtype here rather than failing inside a step.
 _MAX_ROPE_HEAD_DIM = 1024
+# Fewest rows a bfloat16 step needs to take the AMX GEMMs: every step the small-batch path leaves.
+# benchmarks/bench_amx_gemm.py (2 threads, this model's shapes): the AMX GEMM beats oneDNN's packed one
+# from 9 rows up (table in segserve/models/packed_linear.py), so with AMX the oneDNN copy of the
+# bfloat16 projections is never read and prepack() does not make it.
+AMX_MIN_ROWS = cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] + 1
 
 
 class CpuStep:
@@ -48,17 +59,30 @@ class CpuStep:
         self._kernel_fit: dict[torch.dtype, bool] = {}
         self._stack: cpu_kernels.DecodeStack | None = None
         self._stack_key: tuple | None = None
+        # Per layer (qkv, o, gate_up, down) in the AMX tile layout, when prepack() made them.
+        self._amx_weights: list[tuple[torch.Tensor, ...]] | None = None
 
     def prepack(self) -> int:
         """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
-        ``segserve.models.packed_linear``). Idempotent; call again after changing or replacing weights
-        (it also forgets the kernel-fit answers and the compiled decode step, which hold the weights).
+        ``segserve.models.packed_linear``), or, for bfloat16 projections where the AMX GEMM runs
+        (``amx.available()``), in its tile layout instead (:func:`forward_amx` reads that copy for every
+        step over ``MAX_SMALL_ROWS`` rows, so a oneDNN copy would go unread). Idempotent; call again
+        after changing or replacing weights, or after switching AMX on or off (it also forgets the
+        kernel-fit answers and the compiled decode step, which hold the weights).
 
         Costs one extra copy of the packed weights (the plain ones stay for ``state_dict``).
         Returns how many weights are packed (0 for other dtypes or devices, or without oneDNN).
         """
         model = self.model
-        count = sum(m.pack() for m in _linears(model))
+        self._amx_weights = amx_layer_weights(model)
+        linears = _linears(model)
+        if self._amx_weights is not None:
+            amx_packed = {id(m) for ly in model.layers for m in _layer_linears(ly)}
+            for m in linears:
+                if id(m) in amx_packed:
+                    m.unpack()
+            linears = [m for m in linears if id(m) not in amx_packed]
+        count = sum(m.pack() for m in linears) + (0 if self._amx_weights is None else 4 * len(model.layers))
         self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
         self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
         if model.lm_head is None:  # tied: the LM head reads the embedding matrix
@@ -72,6 +96,7 @@ class CpuStep:
         for m in _linears(self.model):
             m.unpack()
         self._packed_lm_head = None
+        self._amx_weights = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -97,7 +122,14 @@ class CpuStep:
         if not self._kernels_fit(weight.dtype, weight.device):
             return model(input_ids, positions, kv_caches, metadata)
         if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[weight.dtype]:
-            return forward_chunk(model, input_ids, positions, kv_caches, metadata)
+            if not self._amx_fits(weight.dtype, input_ids.shape[0]):
+                return forward_chunk(model, input_ids, positions, kv_caches, metadata)
+            model.check_kv_caches(kv_caches)
+            h = model.embed_tokens(input_ids)  # (T, H)
+            cos, sin = model.rope_at(positions)  # (T, D) float32 each
+            for layer, packed, kv_cache in zip(model.layers, self._amx_weights, kv_caches, strict=True):
+                h = forward_amx(layer, packed, h, cos, sin, kv_cache, metadata)
+            return _final_norm(model, h)
         model.check_kv_caches(kv_caches)
         h = model.embed_tokens(input_ids)  # (T, H)
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
@@ -155,6 +187,14 @@ class CpuStep:
         if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
             return packed_linear(hidden, packed, None).float()
         return self.model.compute_logits(hidden)
+
+    def _amx_fits(self, dtype: torch.dtype, rows: int) -> bool:
+        """Whether a step of ``rows`` rows in ``dtype`` takes :func:`forward_amx`: bfloat16, at least
+        ``AMX_MIN_ROWS`` rows, AMX copies made by :meth:`prepack` and AMX still switched on."""
+        return (
+            dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and self._amx_weights is not None
+            and self._amx_weights[0][0].dtype == dtype and amx.available()
+        )
 
     def _kernels_fit(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a step with activations of ``dtype`` on ``device`` can use the compiled CPU kernels:
@@ -218,7 +258,55 @@ def forward_chunk(
         ln2 = layer.post_attention_layernorm
         cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, add=attn.o_proj(out), out=x)
         branch = mlp.down_proj(cpu_kernels.silu_mul(mlp.gate_up_proj(x)))  # (T, H)
-    return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=branch)
+    return _final_norm(model, h, branch)
+
+
+def _final_norm(model: LlamaForCausalLM, h: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's final RMSNorm of ``h`` (after ``h += add``), in one compiled row pass."""
+    return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=add)
+
+
+def forward_amx(
+    layer: LlamaDecoderLayer, packed: tuple[torch.Tensor, ...], h: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """``layer`` for a bfloat16 step of many rows on AMX tiles: ``packed`` its ``(qkv, o, gate_up, down)``
+    weights from :func:`amx_layer_weights`; ``h`` ``(T, H)`` contiguous, updated in place and returned;
+    ``cos``/``sin`` ``(T, D)`` float32 rows of the RoPE table. Rounds where the eager layer rounds (the
+    residual adds and the SiLU gate are fused into the GEMMs' stores)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_w, o_w, gate_up_w, down_w = packed
+    hidden, inter = h.shape[1], mlp.intermediate_size
+    nqkv, q_size = attn.qkv_proj.out_features, attn.o_proj.in_features
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    x = cpu_kernels.add_rmsnorm_(h, ln1.weight, ln1.eps)  # (T, H)
+    qkv = amx.linear(x, qkv_w, nqkv, hidden, attn.qkv_proj.bias)  # (T, Nqkv)
+    out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
+    amx.linear(out, o_w, hidden, q_size, residual=h)  # h += o_proj(out)
+    cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, out=x)
+    act = amx.linear(x, gate_up_w, 2 * inter, hidden, silu_mul=True)  # (T, I)
+    return amx.linear(act, down_w, hidden, inter, residual=h)  # h += down_proj(act)
+
+
+def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]] | None:
+    """Per layer, ``(qkv, o, gate_up, down)`` packed by ``amx.pack`` when the AMX GEMM runs here and
+    every one of them is a bfloat16 CPU weight it takes (a bias only on qkv, bfloat16); else None."""
+    if not amx.available():
+        return None
+    for layer in model.layers:
+        for m in _layer_linears(layer):
+            if not amx.supports(m.weight) or (m.bias is not None and m is not layer.self_attn.qkv_proj):
+                return None
+        bias = layer.self_attn.qkv_proj.bias
+        if bias is not None and bias.dtype != torch.bfloat16:
+            return None
+    return [tuple(amx.pack(m.weight) for m in _layer_linears(layer)) for layer in model.layers]
+
+
+def _layer_linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear, ...]:
+    """``(qkv, o, gate_up, down)``: the projections :func:`forward_amx` runs, in its order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def decode_stack_layers(model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> list[tuple]:

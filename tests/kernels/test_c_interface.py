@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from segserve.kernels import build
+from segserve.kernels import amx, build
 from segserve.kernels import cpu as cpu_kernels
 
 CPU_READY = all(flag in build._cpu_flags() for flag in build.REQUIRED_CPU_FLAGS)
@@ -26,7 +26,13 @@ MIRRORS = {
     "sg_layer": cpu_kernels._Layer,
     "sg_decode_stack_args": cpu_kernels._DecodeStackArgs,
     "sg_rows_args": cpu_kernels._RowsArgs,
+    "sg_amx_probe_args": amx._ProbeArgs,
+    "sg_amx_pack_args": amx._PackArgs,
+    "sg_amx_linear_args": amx._LinearArgs,
+    "sg_amx_peak_args": amx._PeakArgs,
 }
+# Every entry point's ctypes struct, from both wrapper modules.
+ENTRY_POINTS = {**cpu_kernels._ARGS, **amx._ARGS}
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 needs_cpu = pytest.mark.skipif(not CPU_READY, reason="CPU lacks AVX-512F / AVX-512 BF16")
 
@@ -70,9 +76,10 @@ def test_every_ctypes_mirror_has_the_c_structs_fields_in_order() -> None:
 
 
 def test_each_entry_point_takes_its_struct_and_it_starts_with_its_size() -> None:
-    signatures = dict(re.findall(r"^int (sg_\w+)\(const (\w+) \*a\) \{", _all_sources(), re.M))
-    assert signatures == {name: f"{name}_args" for name in cpu_kernels._ARGS}
-    for name, cls in cpu_kernels._ARGS.items():
+    declared = r"^(?:AMX_TARGET )?int (sg_\w+)\(const (\w+) \*a\) \{"
+    signatures = dict(re.findall(declared, _all_sources(), re.M))
+    assert signatures == {name: f"{name}_args" for name in ENTRY_POINTS}
+    for name, cls in ENTRY_POINTS.items():
         assert MIRRORS[f"{name}_args"] is cls
         assert cls._fields_[0] == ("size", ctypes.c_int64)
         assert cls.SIZE == ctypes.sizeof(cls)
@@ -80,9 +87,9 @@ def test_each_entry_point_takes_its_struct_and_it_starts_with_its_size() -> None
 
 
 @needs_cpu
-@pytest.mark.parametrize("name", sorted(cpu_kernels._ARGS))
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
 def test_a_struct_of_another_size_is_refused_by_the_library(name: str) -> None:
-    lib, cls = cpu_kernels._library(), cpu_kernels._ARGS[name]
+    lib, cls = amx._library(), ENTRY_POINTS[name]
     assert lib is not None, cpu_kernels.unavailable_reason()
     for size in (0, cls.SIZE - 8, cls.SIZE + 8):
         args = cls(size=size)

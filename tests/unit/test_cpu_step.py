@@ -17,11 +17,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
 from model_fixtures import new_caches, save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer  # noqa: E402
 
+from segserve import LLM, SamplingParams  # noqa: E402
 from segserve.attention.metadata import build_attention_metadata  # noqa: E402
-from segserve.kernels import build  # noqa: E402
+from segserve.kernels import amx, build  # noqa: E402
 from segserve.kernels import cpu as cpu_kernels  # noqa: E402
 from segserve.models.loader import load_model  # noqa: E402
-from segserve.worker.cpu_step import CpuStep  # noqa: E402
+from segserve.worker.cpu_step import AMX_MIN_ROWS, CpuStep  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not all(f in build._cpu_flags() for f in build.REQUIRED_CPU_FLAGS), reason="CPU lacks AVX-512 BF16"
@@ -54,9 +55,12 @@ def calls(monkeypatch):
 
 
 @torch.inference_mode()
-def _step(model, query_lens: list[int], kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(
+    model, query_lens: list[int], kernels: bool, prepack: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A step after each request's 6-token prefill: ``query_lens`` tokens each (at priors 6), run by
-    ``CpuStep`` and by the model's own forward from the same cache -> (CpuStep's, eager hidden)."""
+    ``CpuStep`` (pre-packed first if ``prepack``) and by the model's own forward from the same cache
+    -> (CpuStep's, eager hidden)."""
     n = len(query_lens)
     rows = [[1 + 4 * r + i for i in range(4)] for r in range(n)]  # room for 16 tokens each
     caches = new_caches(model, 4 * n + 1, BLOCK)
@@ -70,7 +74,10 @@ def _step(model, query_lens: list[int], kernels: bool) -> tuple[torch.Tensor, to
     eager_caches = [c.clone() for c in caches]
     old = cpu_kernels.set_enabled(kernels)
     try:
-        got = CpuStep(model).forward(ids, positions, caches, md)
+        step = CpuStep(model)
+        if prepack:
+            step.prepack()
+        got = step.forward(ids, positions, caches, md)
     finally:
         cpu_kernels.set_enabled(old)
     with cpu_kernels.disabled():
@@ -112,3 +119,83 @@ def test_wrong_number_of_caches_raises_on_every_path(tiny_dir) -> None:
         md = build_attention_metadata([q], [0], [[1, 2, 3]], BLOCK, 3, 8)
         with pytest.raises(ValueError, match="got 1 KV caches for 2 layers"):
             CpuStep(model).forward(torch.arange(q), torch.arange(q), caches, md)
+
+
+needs_amx = pytest.mark.skipif(
+    not amx.available(), reason=f"AMX GEMM unavailable: {amx.unavailable_reason()}"
+)
+
+
+@pytest.fixture
+def amx_calls(monkeypatch):
+    """How many times a step calls the AMX GEMM."""
+    counts = {"amx": 0}
+    real = amx.linear
+
+    def spy(*a, **kw):
+        counts["amx"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(amx, "linear", spy)
+    return counts
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "query_lens, dtype, expected",
+    [
+        ([1, 8, 3], torch.bfloat16, 8),  # 12 rows: 4 AMX GEMMs per layer
+        ([AMX_MIN_ROWS], torch.bfloat16, 8),  # the threshold itself
+        ([1, 4, 3], torch.bfloat16, 0),  # 8 rows: the compiled small-batch linears
+        ([1, 8, 3], torch.float32, 0),  # float32: oneDNN
+    ],
+    ids=["bf16-12", "bf16-threshold", "bf16-8", "fp32-12"],
+)
+def test_large_bf16_steps_take_the_amx_gemm_and_equal_eager(
+    tiny_dir, calls, amx_calls, query_lens, dtype, expected
+) -> None:
+    model = load_model(tiny_dir, dtype=dtype).model
+    got, want = _step(model, query_lens, True, prepack=True)
+    assert amx_calls["amx"] == expected
+    if expected:
+        assert calls["linear"] == 0 and calls["rope_"] == 2  # RoPE in C inside the backend's attend
+    # bfloat16: the eager GEMM (oneDNN) and the AMX one may round a product to neighbouring bf16 values.
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 0}
+    torch.testing.assert_close(got, want, **tol)
+
+
+@needs_amx
+def test_prepack_keeps_one_packed_copy_of_the_bf16_projections(tiny_dir) -> None:
+    model = load_model(tiny_dir, dtype=torch.bfloat16).model
+    step = CpuStep(model)
+    step.prepack()
+    assert step._amx_weights is not None and len(step._amx_weights) == 2
+    projections = [m for ly in model.layers for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
+                                                         ly.mlp.gate_up_proj, ly.mlp.down_proj)]
+    assert not any(m.is_packed for m in projections)  # AMX serves every step oneDNN would have
+    old = amx.set_enabled(False)
+    try:
+        step.prepack()  # AMX off: back to oneDNN copies
+        assert step._amx_weights is None and all(m.is_packed for m in projections)
+    finally:
+        amx.set_enabled(old)
+    step.unpack()
+    assert step._amx_weights is None
+
+
+@needs_amx
+def test_amx_prefill_gives_the_greedy_tokens_of_the_onednn_path(tiny_dir, amx_calls) -> None:
+    prompts = [list(range(5, 45)), list(range(100, 123))]  # prefill steps of 40 and 23 rows
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for on in (True, False):
+        old = amx.set_enabled(on)
+        try:
+            llm = LLM(model=str(tiny_dir), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=64,
+                      max_model_len=128)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        finally:
+            amx.set_enabled(old)
+        tokens[on] = [o.outputs[0].token_ids for o in outs]
+    assert amx_calls["amx"] > 0
+    assert tokens[True] == tokens[False]

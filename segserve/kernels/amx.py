@@ -1,0 +1,236 @@
+"""PyTorch-facing wrappers of the AMX bfloat16 GEMM (``csrc/segserve_amx.c``).
+
+:func:`available` says whether this process can run it (the compiled kernels are on and built, the CPU
+has AMX-BF16 and Linux granted the tile permission); :func:`pack` makes the weight copy it streams and
+:func:`linear` runs it. The wrappers check what the C code relies on for memory safety and raise
+``ValueError`` naming the bad value and the limit; whether to use the kernel at all is the caller's
+choice (``segserve.worker.cpu_step``).
+
+Switch: ``SEGSERVE_AMX=0`` turns it off for the process; :func:`set_enabled` at run time (benchmarks
+alternate with it in one process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from segserve.kernels import cpu as cpu_kernels
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int32
+_L = ctypes.c_int64
+
+_EPILOGUES = {None: 0, "residual": 1, "silu_mul": 2}
+_ERRORS = {-1: "unsupported shape", -5: "argument struct of another size (the library and amx.py disagree "
+           "on its layout)", -6: "AMX not available in this process"}
+# Flops of one round of sg_amx_peak's loop: 4 tile products of 16 x 16 x 32 multiply-adds.
+PEAK_FLOPS_PER_ITER = 4 * 16 * 16 * 32 * 2
+
+_switch = os.environ.get("SEGSERVE_AMX", "1").strip().lower() not in ("0", "false", "off", "no")
+_probed: bool | None = None
+
+
+@cpu_kernels._sized
+class _ProbeArgs(ctypes.Structure):
+    """``sg_amx_probe_args``."""
+
+    _fields_ = [("size", _L)]
+
+
+@cpu_kernels._sized
+class _PackArgs(ctypes.Structure):
+    """``sg_amx_pack_args`` (its fields are documented in the C source)."""
+
+    _fields_ = [("size", _L), ("N", _L), ("K", _L), ("w", _P), ("ldw", _L), ("packed", _P)]
+
+
+@cpu_kernels._sized
+class _LinearArgs(ctypes.Structure):
+    """``sg_amx_linear_args`` (its fields are documented in the C source)."""
+
+    _fields_ = [
+        ("size", _L), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L), ("packed", _P), ("bias", _P),
+        ("y", _P), ("ldy", _L), ("ydt", _I), ("epilogue", _I),
+    ]
+
+
+@cpu_kernels._sized
+class _PeakArgs(ctypes.Structure):
+    """``sg_amx_peak_args``."""
+
+    _fields_ = [("size", _L), ("iters", _L), ("threads", _I)]
+
+
+_ARGS = {"sg_amx_probe": _ProbeArgs, "sg_amx_pack": _PackArgs, "sg_amx_linear": _LinearArgs,
+         "sg_amx_peak": _PeakArgs}
+
+
+def _library():
+    """The compiled library with the AMX entry points' signatures set, or None."""
+    lib = cpu_kernels._library()
+    if lib is not None and lib.sg_amx_linear.argtypes is None:
+        for name, args in _ARGS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+    return lib
+
+
+def _probe() -> bool:
+    """Whether AMX-BF16 runs here (asked once; the C probe also requests the tile permission)."""
+    global _probed
+    if _probed is None:
+        lib = _library()
+        _probed = lib is not None and lib.sg_amx_probe(_ProbeArgs(size=_ProbeArgs.SIZE)) == 1
+    return _probed
+
+
+def available() -> bool:
+    """True when the AMX GEMM is switched on and can run in this process (see the module docstring)."""
+    return _switch and cpu_kernels.enabled() and _probe()
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch the AMX GEMM on or off for this process; returns the previous setting."""
+    global _switch
+    old, _switch = _switch, bool(flag)
+    return old
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True)."""
+    if not _switch:
+        return "switched off (SEGSERVE_AMX=0 or set_enabled(False))"
+    if not cpu_kernels.enabled():
+        return f"compiled kernels off: {cpu_kernels.unavailable_reason()}"
+    return None if _probe() else "CPU lacks AMX-BF16/AMX-TILE, or the OS does not grant tile state"
+
+
+def _check(rc: int, name: str) -> None:
+    if rc:
+        raise RuntimeError(f"{name} failed: {_ERRORS.get(rc, rc)}")
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack` takes this ``(N, K)`` weight: bfloat16 on the CPU, rows contiguous, N a
+    multiple of 16 and K of 32 (never raises)."""
+    return (
+        weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+        and weight.stride(1) == 1 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+        and weight.shape[0] > 0 and weight.shape[1] > 0
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The tile layout of a ``(N, K)`` bfloat16 weight (see ``csrc/segserve_amx.c``): a new
+    ``(N/16, K/32, 16, 32)`` bfloat16 tensor, N * K values (one more copy of the weight).
+
+    Raises:
+        ValueError: on a weight :func:`supports` refuses (named with the limit).
+    """
+    if not supports(weight):
+        raise ValueError(
+            f"weight must be a 2-D bfloat16 CPU tensor with contiguous rows, N % 16 == 0 and K % 32 == 0, "
+            f"got {tuple(weight.shape)} {weight.dtype} on {weight.device} strides {weight.stride()}"
+        )
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"compiled kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    n, k = weight.shape
+    w = weight.detach()
+    packed = torch.empty(n // 16, k // 32, 16, 32, dtype=torch.bfloat16)
+    _check(lib.sg_amx_pack(_PackArgs(
+        size=_PackArgs.SIZE, N=n, K=k, w=w.data_ptr(), ldw=w.stride(0), packed=packed.data_ptr()
+    )), "sg_amx_pack")
+    return packed
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` on AMX tiles for the ``(n, k)`` weight ``W`` that :func:`pack` packed.
+
+    Args:
+        x: ``(M, k)`` bfloat16, M >= 1, rows contiguous (a row stride >= k is fine).
+        packed: :func:`pack`'s result for ``W``. bias: ``(n,)`` bfloat16 or None.
+        residual: ``(M, n)`` contiguous bfloat16, updated in place as ``residual += result`` (the
+            product rounded first, like ``h.add_(linear(x))``) and returned.
+        silu_mul: ``W`` is a fused ``[gate; up]`` (n = 2 I): returns ``silu(gate) * up`` ``(M, I)``,
+            rounded where ``F.silu(gate).mul_(up)`` rounds.
+        out_dtype: bfloat16 or float32 for a plain output (the epilogues give bfloat16).
+
+    Returns:
+        ``residual`` when given, else a new ``(M, n)`` (``(M, n/2)`` for ``silu_mul``) tensor.
+
+    Raises:
+        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit).
+        RuntimeError: when AMX cannot run in this process (check :func:`available` first).
+    """
+    if packed.dtype != torch.bfloat16 or packed.device.type != "cpu" or not packed.is_contiguous() \
+            or packed.numel() != n * k or packed.dim() != 4 or packed.shape != (n // 16, k // 32, 16, 32):
+        raise ValueError(
+            f"packed must be amx.pack's (n/16, k/32, 16, 32) bfloat16 tensor for n={n}, k={k}, got "
+            f"{tuple(packed.shape)} {packed.dtype}"
+        )
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k \
+            or x.shape[0] < 1 or x.stride(1) != 1 or x.stride(0) < k:
+        raise ValueError(
+            f"x must be (M >= 1, {k}) bfloat16 on the CPU with contiguous rows, got {tuple(x.shape)} "
+            f"{x.dtype} on {x.device} strides {x.stride()}"
+        )
+    m = x.shape[0]
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()
+                             or bias.device.type != "cpu"):
+        raise ValueError(f"bias must be a contiguous ({n},) bfloat16 CPU tensor, got {tuple(bias.shape)} "
+                         f"{bias.dtype}")
+    if silu_mul and residual is not None:
+        raise ValueError("silu_mul and residual cannot be combined")
+    if silu_mul and n % 32:
+        raise ValueError(f"silu_mul needs n = 2 I with I a multiple of 16, got n={n}")
+    if out_dtype not in (torch.bfloat16, torch.float32) or (out_dtype != torch.bfloat16
+                                                            and (silu_mul or residual is not None)):
+        raise ValueError(f"out_dtype must be bfloat16 (or float32 without an epilogue), got {out_dtype}")
+    if residual is not None:
+        if residual.dtype != torch.bfloat16 or residual.shape != (m, n) or not residual.is_contiguous() \
+                or residual.device.type != "cpu":
+            raise ValueError(f"residual must be a contiguous ({m}, {n}) bfloat16 CPU tensor, got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        if cpu_kernels._overlap(residual, x):
+            raise ValueError("residual must not overlap x")
+        y = residual
+    else:
+        y = torch.empty(m, n // 2 if silu_mul else n, dtype=out_dtype)
+    epilogue = "silu_mul" if silu_mul else "residual" if residual is not None else None
+    lib = _library()
+    if lib is None or not _probe():
+        raise RuntimeError(f"AMX GEMM unavailable: {unavailable_reason()}")
+    rc = lib.sg_amx_linear(_LinearArgs(  # positional: ctypes builds a struct from keywords ~2x slower
+        _LinearArgs.SIZE, m, n, k, x.data_ptr(), x.stride(0), packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+        0 if y.dtype == torch.float32 else 1, _EPILOGUES[epilogue],
+    ))
+    _check(rc, "sg_amx_linear")
+    return y
+
+
+def peak(iters: int, threads: int) -> None:
+    """Run the register-only microkernel: ``threads`` x ``iters`` x 4 tile products of 16 x 16 x 32
+    multiply-adds, ``threads * iters * PEAK_FLOPS_PER_ITER`` flops; the caller times it."""
+    if iters < 1 or threads < 1:
+        raise ValueError(f"iters and threads must be >= 1, got {iters}, {threads}")
+    lib = _library()
+    if lib is None or not _probe():
+        raise RuntimeError(f"AMX unavailable: {unavailable_reason()}")
+    _check(lib.sg_amx_peak(_PeakArgs(size=_PeakArgs.SIZE, iters=iters, threads=threads)), "sg_amx_peak")
+
+

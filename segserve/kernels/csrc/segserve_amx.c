@@ -1,0 +1,452 @@
+/* segserve AMX kernels: a bfloat16 GEMM on Intel AMX tiles for prefill and batched steps.
+ *
+ *   sg_amx_probe   whether AMX-BF16 can run in this process (CPUID, XCR0, and Linux's tile permission,
+ *                  requested here); 1 or 0. Nothing else in this file runs before it said 1.
+ *   sg_amx_pack    a (N, K) row-major bfloat16 weight -> the VNNI tile layout the GEMM streams.
+ *   sg_amx_linear  y = x W^T (+ bias) for M >= 1 rows, float32 accumulation in tiles, with an optional
+ *                  epilogue: the residual add (y += result) or SiLU(gate) * up over a fused gate|up weight.
+ *   sg_amx_peak    a register-only microkernel (4 accumulators, no memory traffic) for the benchmark's
+ *                  measured peak.
+ *
+ * The entry points follow segserve_cpu.c's calling convention (one sg_*_args struct whose first field is
+ * its size; ERR_LAYOUT before anything is read otherwise). The AMX code is compiled with per-function
+ * target attributes, so the file builds and loads on AVX-512 CPUs without AMX; there sg_amx_probe says 0
+ * and the others refuse with ERR_NO_AMX instead of faulting.
+ *
+ * Packed layout: for each 16-column block nb of the output and each 32-wide step ks of K, one 16 x 64-byte
+ * B tile: row r holds, for the 16 output columns c, the pair W[nb*16 + c][ks*32 + 2r .. +1] (VNNI). Tile
+ * (nb, ks) starts at bf16 offset (nb * K/32 + ks) * 512, so one column block's K steps are contiguous.
+ *
+ * Blocking: threads (OpenMP, PyTorch's pool) split the output's column blocks evenly (not the rows: every
+ * projection here has >= 36 blocks, enough for any thread count this is run with); each walks its
+ * columns in panels of up to 2 blocks (row pairs of tiles: 2 x 2 accumulators, 2 A + 2 B tiles) or 4
+ * blocks (a single row tile: 1 x 4 accumulators, 1 A + 3 B tiles); cache blocking keeps a ~1 MiB chunk
+ * of W's columns and a ~128 KiB chunk of x's rows together in the 2 MiB L2: the W chunk is reused by
+ * every row chunk, the x chunk by the W chunk's panels (software prefetch of the next panel measured no
+ * better). x is read straight from its row-major rows (tile loads with its stride); a last partial row
+ * tile is the 16 rows ending at row M (overlapping the previous tile; only its new rows are written) and
+ * M < 16 configures tiles of M rows.
+ *
+ * Speed (one core of this Xeon, best of many short trials; the machine is shared and its AMX throughput
+ * swings ~2x with the other tenants): the register-only peak ~1,900-2,100 GFLOP/s; the 2 x 2 loop with
+ * its tile loads but all data in L1 ~1,500 (the 8 tiles leave no room to double-buffer the operands, so
+ * each reload waits for the products still reading the tile); the GEMM at 512 rows ~1,000-1,100 on
+ * qkv, o and down (~50 % of peak), ~750-830 on the 3,072-column gate|up, ~900 at 16 rows; the rest goes
+ * to the stores (tile -> float32 buffer -> rounded bf16 rows, every K/32 steps) and x streaming from L2.
+ *
+ * Tile state is per thread: each call's parallel region loads the tile configuration in every thread
+ * and releases it (tilerelease) at the end, so threads that then run AVX-512 or PyTorch code carry no
+ * AMX state (a configured thread saves 8 KiB more on every context switch). A load + release costs well
+ * under a microsecond, against >= ~10 us for the smallest GEMM that takes this path.
+ *
+ * Numerics: the products of bf16 pairs are exact and summed in float32 (in the tile unit's order); the
+ * bias is added in float32, then the result is rounded to bfloat16 (nearest even) or kept as float32. The
+ * epilogues round where the eager model rounds: residual y = bf16(y + bf16(acc)); SiLU-mul
+ * bf16(bf16(silu(bf16(gate))) * bf16(up)) with silu(g) = g / (1 + exp(-g)), exp a Cephes polynomial
+ * (~1 ulp; the one segserve_cpu.c uses).
+ */
+#include <cpuid.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { AMX_OK = 0, AMX_ERR_SHAPE = -1, AMX_ERR_LAYOUT = -5, AMX_ERR_NO_AMX = -6 };
+enum { AMX_DT_F32 = 0, AMX_DT_BF16 = 1 };
+enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2 };
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
+#ifndef L2_W_BYTES
+#define L2_W_BYTES (1 << 20) /* weight bytes per column chunk, kept in L2 (2 MiB per core) */
+#endif
+#ifndef L2_X_BYTES
+#define L2_X_BYTES (1 << 17) /* bytes of x per row chunk, kept in L2 beside it */
+#endif
+#define TILE_ELEMS 512 /* bf16 values in one packed B tile (16 rows x 32) */
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILECFG 17
+#define XFEATURE_XTILEDATA 18
+
+static int amx_ready = 0; /* set once sg_amx_probe succeeded */
+
+/* ---- probe ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t size; /* sizeof(sg_amx_probe_args) */
+} sg_amx_probe_args;
+
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+/* 1 when this process may run AMX-BF16: CPUID.(7,0):EDX AMX-BF16 (bit 22) and AMX-TILE (bit 24), the OS
+ * enabled XSAVE with both tile state components in XCR0, and Linux granted XTILEDATA to the process
+ * (arch_prctl ARCH_REQ_XCOMP_PERM; the grant is per process, every thread inherits it). Else 0. */
+int sg_amx_probe(const sg_amx_probe_args *a) {
+    if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return 0; /* OSXSAVE */
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
+    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return 0;
+    uint64_t tiles = (1ull << XFEATURE_XTILECFG) | (1ull << XFEATURE_XTILEDATA);
+    if ((xgetbv0() & tiles) != tiles) return 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 0;
+    unsigned long perm = 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm) || !(perm & (1ul << XFEATURE_XTILEDATA))) return 0;
+    amx_ready = 1;
+    return 1;
+}
+
+/* ---- packing ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t size;       /* sizeof(sg_amx_pack_args) */
+    int64_t N;          /* rows of w (outputs), a multiple of 16 */
+    int64_t K;          /* columns of w, a multiple of 32 */
+    const uint16_t *w;  /* (N, K) bfloat16, row stride ldw */
+    int64_t ldw;        /* row stride of w, elements, >= K */
+    uint16_t *packed;   /* N * K bfloat16 values: the tile layout (file comment) */
+} sg_amx_pack_args;
+
+/* Pure data movement (no AMX instruction), so it runs on any CPU. Returns OK, ERR_LAYOUT or ERR_SHAPE. */
+int sg_amx_pack(const sg_amx_pack_args *a) {
+    if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
+    const int64_t N = a->N, K = a->K, ldw = a->ldw, KS = K / 32;
+    const uint16_t *w = a->w;
+    uint16_t *packed = a->packed;
+    if (N < 16 || K < 32 || N % 16 || K % 32 || ldw < K) return AMX_ERR_SHAPE;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t ks = 0; ks < KS; ks++) {
+            uint16_t *t = packed + (nb * KS + ks) * TILE_ELEMS;
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 16; c++) {
+                    const uint16_t *src = w + (nb * 16 + c) * ldw + ks * 32 + 2 * r;
+                    t[r * 32 + 2 * c] = src[0];
+                    t[r * 32 + 2 * c + 1] = src[1];
+                }
+        }
+    return AMX_OK;
+}
+
+/* ---- tiles ------------------------------------------------------------------------------------ */
+
+typedef struct tile_config { /* internal (a tag, so the interface test's parser skips it) */
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3: float32 accumulators (rows x 16); 4-7: bf16 operands, A (rows x 32) or B (16 x 32 as pairs).
+ * ``rows`` (<= 16) is the row count of the accumulator and A tiles; B tiles always have 16 (K pairs). */
+AMX_TARGET static void configure_tiles(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = (uint8_t)rows;
+    }
+    /* In the 2 x 2 kernel tiles 4 and 5 are A tiles and 6, 7 B; in 1 x 4, 4 is A and 5-7 are B. A B
+     * tile of fewer rows would drop K pairs, so only row counts of 16 make B tiles; M < 16 calls use
+     * the 1 x 4 kernel, whose B tiles 5-7 keep 16 rows. */
+    if (rows < 16)
+        for (int t = 5; t < 8; t++) cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* ---- epilogue --------------------------------------------------------------------------------- */
+
+static inline __m512 bf16_round16(__m512 v) {
+    __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+static inline __m512 bf16_load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void bf16_store16(uint16_t *p, __m512 v) { /* v holds bf16 values: truncation is exact */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* exp(x) for float32 lanes: segserve_cpu.c's exp512 (Cephes expf), copied so this file stands alone. */
+static inline __m512 amx_exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* What the store of one row tile needs: where it goes and how (internal, tagged like tile_config). */
+typedef struct store_plan {
+    int epilogue, ydt;
+    int64_t ldy;
+    void *y;
+    const uint16_t *bias; /* (N,) bf16 or NULL */
+} store_plan;
+
+/* Rows [skip, rows) of accumulator buffer c (rows x 16 float32) to output rows m0 + r, columns
+ * col .. col + 15 (bias columns likewise); ``up`` the paired up-projection buffer for EPI_SILU_MUL, whose
+ * output column is ``col`` of the (M, N/2) result and whose bias columns are ``bcol`` and ``bcol_up``. */
+static inline void store_tile(const store_plan *p, const float *c, const float *up, int skip, int rows,
+                              int64_t m0, int64_t col, int64_t bcol, int64_t bcol_up) {
+    __m512 b = p->bias ? bf16_load16(p->bias + bcol) : _mm512_setzero_ps();
+    __m512 bu = p->bias && up ? bf16_load16(p->bias + bcol_up) : _mm512_setzero_ps();
+    for (int r = skip; r < rows; r++) {
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
+        int64_t at = (m0 + r) * p->ldy + col;
+        if (p->epilogue == EPI_SILU_MUL) {
+            __m512 g = bf16_round16(v);
+            __m512 u = bf16_round16(_mm512_add_ps(_mm512_loadu_ps(up + r * 16), bu));
+            __m512 e = amx_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 s = bf16_round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            bf16_store16((uint16_t *)p->y + at, bf16_round16(_mm512_mul_ps(s, u)));
+        } else if (p->ydt == AMX_DT_F32) {
+            _mm512_storeu_ps((float *)p->y + at, v);
+        } else {
+            v = bf16_round16(v);
+            if (p->epilogue == EPI_RESIDUAL) v = bf16_round16(_mm512_add_ps(bf16_load16((uint16_t *)p->y + at), v));
+            bf16_store16((uint16_t *)p->y + at, v);
+        }
+    }
+}
+
+/* ---- microkernels ----------------------------------------------------------------------------- */
+
+/* Two row tiles (rows m0, m1) x nr (1 or 2) column blocks b[0..nr) over KS steps of K: accumulators
+ * 0 (m0 b0), 1 (m0 b1), 2 (m1 b0), 3 (m1 b1); A tiles 4, 5; B tiles 6, 7. Stores to c[0..3]. */
+AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, int64_t ldxb,
+                                        const uint16_t *const b[4], int nr, int64_t KS, float c[4][256]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ks = 0; ks < KS; ks++) {
+        _tile_loadd(4, x0 + ks * 32, ldxb);
+        _tile_loadd(6, b[0] + ks * TILE_ELEMS, 64);
+        _tile_loadd(5, x1 + ks * 32, ldxb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nr > 1) {
+            _tile_loadd(7, b[1] + ks * TILE_ELEMS, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (nr > 1) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+    }
+}
+
+/* One row tile x nr (1..4) column blocks: accumulators 0-3, A tile 4, B tiles 5, 6, 7 (5 again for the
+ * fourth block, once accumulator 0 has read it). Stores to c[0..nr). */
+AMX_TARGET static inline void kernel_1x(const uint16_t *x0, int64_t ldxb, const uint16_t *const b[4], int nr,
+                                        int64_t KS, float c[4][256]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ks = 0; ks < KS; ks++) {
+        int64_t off = ks * TILE_ELEMS;
+        _tile_loadd(4, x0 + ks * 32, ldxb);
+        _tile_loadd(5, b[0] + off, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nr > 1) {
+            _tile_loadd(6, b[1] + off, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (nr > 2) {
+            _tile_loadd(7, b[2] + off, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (nr > 3) {
+            _tile_loadd(5, b[3] + off, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    if (nr > 1) _tile_stored(1, c[1], 64);
+    if (nr > 2) _tile_stored(2, c[2], 64);
+    if (nr > 3) _tile_stored(3, c[3], 64);
+}
+
+/* ---- GEMM ------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t size;          /* sizeof(sg_amx_linear_args) */
+    int64_t M;             /* rows of x and y, >= 1 */
+    int64_t N;             /* outputs of the packed weight, a multiple of 16 (of 32 for EPI_SILU_MUL) */
+    int64_t K;             /* inputs, a multiple of 32 */
+    const uint16_t *x;     /* (M, K) bfloat16 rows, row stride ldx, each row contiguous */
+    int64_t ldx;           /* row stride of x, elements, >= K */
+    const uint16_t *packed; /* sg_amx_pack's layout of the (N, K) weight */
+    const uint16_t *bias;  /* (N,) bfloat16 or NULL */
+    void *y;               /* (M, N) (EPI_SILU_MUL: (M, N/2)), row stride ldy */
+    int64_t ldy;           /* row stride of y, elements */
+    int32_t ydt;           /* dtype of y: 0 float32, 1 bfloat16 (the epilogues need bfloat16) */
+    int32_t epilogue;      /* EPI_NONE, EPI_RESIDUAL (y = bf16(y + bf16(acc))), EPI_SILU_MUL (gate | up) */
+} sg_amx_linear_args;
+
+/* Starting row of row tile i of M rows (the last one ends at row M) and how many of its rows an earlier
+ * tile already wrote. */
+static inline int64_t tile_row(int64_t i, int64_t M, int *skip) {
+    int64_t m0 = 16 * i;
+    *skip = 0;
+    if (m0 + 16 > M && M >= 16) {
+        *skip = (int)(m0 - (M - 16));
+        m0 = M - 16;
+    }
+    return m0;
+}
+
+/* Column units [u, u + units) over row tiles [t0, t1): the microkernel per row tile (pair), then the
+ * stores. ``pair``: take row tiles two at a time (2 x 2 kernel) where two are left. */
+AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, int64_t u, int units, int64_t t0,
+                             int64_t t1, int pair, float c[4][256]) {
+    const int64_t M = a->M, KS = a->K / 32, ldxb = a->ldx * 2;
+    const int silu = a->epilogue == EPI_SILU_MUL;
+    const int64_t half = a->N / 32; /* EPI_SILU_MUL: column blocks of the gate half */
+    const int rows = M < 16 ? (int)M : 16, nr = silu ? 2 * units : units;
+    const uint16_t *b[4];
+    for (int j = 0; j < units; j++) {
+        b[j] = a->packed + (u + j) * KS * TILE_ELEMS;
+        if (silu) b[units + j] = a->packed + (half + u + j) * KS * TILE_ELEMS;
+    }
+    for (int64_t t = t0; t < t1;) {
+        int skip0, skip1;
+        int64_t m0 = tile_row(t, M, &skip0);
+        if (pair && t + 1 < t1) {
+            int64_t m1 = tile_row(t + 1, M, &skip1);
+            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, c);
+            for (int j = 0; j < units; j++) {
+                int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
+                /* c[0], c[1]: row tile m0, blocks 0 and 1; c[2], c[3]: row tile m1. */
+                store_tile(p, c[j], silu ? c[1] : NULL, skip0, 16, m0, col, col, bu);
+                store_tile(p, c[2 + j], silu ? c[3] : NULL, skip1, 16, m1, col, col, bu);
+            }
+            t += 2;
+        } else {
+            kernel_1x(a->x + m0 * a->ldx, ldxb, b, nr, KS, c);
+            for (int j = 0; j < units; j++) {
+                int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
+                store_tile(p, c[j], silu ? c[units + j] : NULL, skip0, rows, m0, col, col, bu);
+            }
+            t += 1;
+        }
+    }
+}
+
+/* One thread's share: column units [u0, u1) (a unit is a 16-column block, or for EPI_SILU_MUL a pair
+ * gate block j / up block j) over every row. */
+AMX_TARGET static void gemm_share(const sg_amx_linear_args *a, const store_plan *p, int64_t u0, int64_t u1) {
+    const int64_t M = a->M, K = a->K, MT = (M + 15) / 16;
+    const int silu = a->epilogue == EPI_SILU_MUL;
+    float c[4][256] __attribute__((aligned(64)));
+    /* Cache blocking: a chunk of the weight's column units (~L2_W_BYTES) is reused from L2 across every
+     * chunk of rows (~L2_X_BYTES of x), and that chunk of x across the chunk's column panels. */
+    const int64_t unit_bytes = K * 32 * (silu ? 2 : 1);
+    int64_t nc = L2_W_BYTES / unit_bytes / 4 * 4, mc = L2_X_BYTES / (K * 32) / 2 * 2;
+    if (nc < 4) nc = 4;
+    if (mc < 2) mc = 2;
+    for (int64_t c0 = u0; c0 < u1; c0 += nc) {
+        int64_t c1 = c0 + nc < u1 ? c0 + nc : u1;
+        for (int64_t t0 = 0; t0 < MT; t0 += mc) {
+            int64_t t1 = t0 + mc < MT ? t0 + mc : MT;
+            /* Pairs of row tiles take panels of 2 column blocks; a chunk of one row tile takes 4. */
+            int pair = t1 - t0 >= 2;
+            int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
+            for (int64_t u = c0; u < c1; u += per)
+                panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), t0, t1, pair, c);
+        }
+    }
+}
+
+/* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE, or
+ * ERR_NO_AMX before sg_amx_probe said 1. */
+AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
+    if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
+    if (!amx_ready) return AMX_ERR_NO_AMX;
+    const int64_t M = a->M, N = a->N, K = a->K;
+    const int epi = a->epilogue, silu = epi == EPI_SILU_MUL;
+    if (M < 1 || N < 16 || K < 32 || N % (silu ? 32 : 16) || K % 32 || a->ldx < K) return AMX_ERR_SHAPE;
+    if (epi < EPI_NONE || epi > EPI_SILU_MUL || (epi != EPI_NONE && a->ydt != AMX_DT_BF16)) return AMX_ERR_SHAPE;
+    if (a->ydt != AMX_DT_F32 && a->ydt != AMX_DT_BF16) return AMX_ERR_SHAPE;
+    if (a->ldy < (silu ? N / 2 : N)) return AMX_ERR_SHAPE;
+    store_plan p = {epi, a->ydt, a->ldy, a->y, a->bias};
+    const int64_t units = silu ? N / 32 : N / 16;
+    const int rows = M < 16 ? (int)M : 16;
+    int threads = omp_get_max_threads();
+    if (threads > units) threads = (int)units;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        configure_tiles(rows);
+        gemm_share(a, &p, units * t / nt, units * (t + 1) / nt);
+        _tile_release();
+    }
+    return AMX_OK;
+}
+
+/* ---- peak ------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t size;    /* sizeof(sg_amx_peak_args) */
+    int64_t iters;   /* rounds of 4 tile products (16 x 16 x 32 multiply-adds each) per thread */
+    int32_t threads; /* OpenMP threads, >= 1 */
+} sg_amx_peak_args;
+
+/* The register-only ceiling: 2 A and 2 B tiles loaded once, then iters x 4 independent tdpbf16ps into 4
+ * accumulators (2 x 2, the GEMM's blocking without its loads); the caller times it. Flops: threads x
+ * iters x 4 x 16384. Returns OK, ERR_LAYOUT, ERR_SHAPE or ERR_NO_AMX. */
+AMX_TARGET int sg_amx_peak(const sg_amx_peak_args *a) {
+    if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
+    if (!amx_ready) return AMX_ERR_NO_AMX;
+    const int64_t iters = a->iters;
+    if (iters < 1 || a->threads < 1) return AMX_ERR_SHAPE;
+#pragma omp parallel num_threads(a->threads)
+    {
+        uint16_t ops[4][512] __attribute__((aligned(64)));
+        float out[256] __attribute__((aligned(64)));
+        for (int i = 0; i < 4 * 512; i++) ops[i / 512][i % 512] = 0x3c00; /* bf16 2^-7: sums stay finite */
+        configure_tiles(16);
+        _tile_loadd(4, ops[0], 64);
+        _tile_loadd(5, ops[1], 64);
+        _tile_loadd(6, ops[2], 64);
+        _tile_loadd(7, ops[3], 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t i = 0; i < iters; i++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, out, 64); /* keeps the loop from being dropped */
+        _tile_release();
+        __asm__ volatile("" ::"r"(out[0]) : "memory");
+    }
+    return AMX_OK;
+}
