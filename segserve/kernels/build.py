@@ -26,7 +26,10 @@ SOURCES = tuple(sorted(CSRC.glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
 ABI_VERSION = 3
-SYMBOLS = ("sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack")
+SYMBOLS = (
+    "sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack",
+    "sg_chunk_attention", "sg_chunk_attention_amx",
+)
 
 _loaded: ctypes.CDLL | None = None
 _reason: str | None = None
