@@ -15,6 +15,8 @@ inputs the error is that of bfloat16 rounding (see tests/kernels/test_chunk_atte
 from __future__ import annotations
 
 import ctypes
+import os
+from contextlib import contextmanager
 
 import torch
 
@@ -48,6 +50,8 @@ _ERRORS = {-2: "out of memory", -5: "argument struct of another size (the librar
 
 _lib = None
 _amx: bool | None = None
+# SEGSERVE_CHUNK_ATTENTION=0 turns this kernel off (the SDPA chunk path runs); set_enabled at run time.
+_switch = os.environ.get("SEGSERVE_CHUNK_ATTENTION", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _library():
@@ -66,8 +70,26 @@ def _library():
 
 
 def available() -> bool:
-    """Whether the kernels are on and this CPU runs AMX bfloat16 tiles (Linux granted the tile state)."""
-    return cpu_kernels.enabled() and _library() is not None and bool(_amx)
+    """Whether this kernel and the compiled kernels are on and this CPU runs AMX bfloat16 tiles (Linux
+    granted the tile state)."""
+    return _switch and cpu_kernels.enabled() and _library() is not None and bool(_amx)
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch this kernel on or off for the process (benchmarks ablate with it); returns the old setting."""
+    global _switch
+    old, _switch = _switch, bool(flag)
+    return old
+
+
+@contextmanager
+def disabled():
+    """``with disabled():`` runs the chunks through the SDPA path (the other compiled kernels stay on)."""
+    old = set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(old)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

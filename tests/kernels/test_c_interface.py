@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from segserve.kernels import build
+from segserve.kernels import chunk_attention as chunk_kernels
 from segserve.kernels import cpu as cpu_kernels
 
 CPU_READY = all(flag in build._cpu_flags() for flag in build.REQUIRED_CPU_FLAGS)
@@ -25,7 +26,10 @@ MIRRORS = {
     "sg_decode_attention_args": cpu_kernels._DecodeAttentionArgs,
     "sg_layer": cpu_kernels._Layer,
     "sg_decode_stack_args": cpu_kernels._DecodeStackArgs,
+    "sg_chunk_attention_args": chunk_kernels._ChunkAttentionArgs,
 }
+# Every entry point's argument struct, whichever wrapper module mirrors it.
+ENTRY_ARGS = {**cpu_kernels._ARGS, **chunk_kernels._ARGS}
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 needs_cpu = pytest.mark.skipif(not CPU_READY, reason="CPU lacks AVX-512F / AVX-512 BF16")
 
@@ -70,8 +74,8 @@ def test_every_ctypes_mirror_has_the_c_structs_fields_in_order() -> None:
 
 def test_each_entry_point_takes_its_struct_and_it_starts_with_its_size() -> None:
     signatures = dict(re.findall(r"^int (sg_\w+)\(const (\w+) \*a\) \{", _all_sources(), re.M))
-    assert signatures == {name: f"{name}_args" for name in cpu_kernels._ARGS}
-    for name, cls in cpu_kernels._ARGS.items():
+    assert signatures == {name: f"{name}_args" for name in ENTRY_ARGS}
+    for name, cls in ENTRY_ARGS.items():
         assert MIRRORS[f"{name}_args"] is cls
         assert cls._fields_[0] == ("size", ctypes.c_int64)
         assert cls.SIZE == ctypes.sizeof(cls)
@@ -79,10 +83,11 @@ def test_each_entry_point_takes_its_struct_and_it_starts_with_its_size() -> None
 
 
 @needs_cpu
-@pytest.mark.parametrize("name", sorted(cpu_kernels._ARGS))
+@pytest.mark.parametrize("name", sorted(ENTRY_ARGS))
 def test_a_struct_of_another_size_is_refused_by_the_library(name: str) -> None:
-    lib, cls = cpu_kernels._library(), cpu_kernels._ARGS[name]
+    lib, cls = cpu_kernels._library(), ENTRY_ARGS[name]
     assert lib is not None, cpu_kernels.unavailable_reason()
+    assert chunk_kernels._library() is lib  # types sg_chunk_attention's argument (a pointer, not a copy)
     for size in (0, cls.SIZE - 8, cls.SIZE + 8):
         args = cls(size=size)
         # One head of dim 16: were the size not checked, the shape checks would answer (-1 or 0)
@@ -123,7 +128,7 @@ def test_every_wrapper_raises_on_a_layout_mismatch_and_writes_nothing(monkeypatc
     """As if cpu.py and the library had been built from different versions of each struct."""
     stack, caches = _stack()
     stack._args.size += 8  # filled once at construction
-    for cls in cpu_kernels._ARGS.values():
+    for cls in ENTRY_ARGS.values():
         monkeypatch.setattr(cls, "SIZE", cls.SIZE + 8)
     refused = pytest.raises(RuntimeError, match="argument struct of another size")
 
@@ -158,3 +163,13 @@ def test_every_wrapper_raises_on_a_layout_mismatch_and_writes_nothing(monkeypatc
                   torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([6]), 512, 0.25)
     assert torch.equal(h, before)
     assert all(torch.equal(a, b) for a, b in zip(caches, cache_before, strict=True))
+
+    if chunk_kernels.available():  # needs AMX
+        q, out = torch.randn(2, 2, 32).bfloat16(), torch.zeros(2, 2, 32, dtype=torch.bfloat16)
+        cache = torch.randn(2, 4, 4, 1, 32).bfloat16()
+        one = torch.tensor([0])
+        with refused:
+            chunk_kernels.chunk_attention(
+                q, out, cache, table, one, torch.tensor([2]), torch.tensor([3]), one, 512, 0.25
+            )
+        assert torch.count_nonzero(out) == 0
