@@ -19,8 +19,8 @@
  *   S = Q K^T   Q tile [16 rows x 32 dims] (A) times K packed [16 dim pairs x 16 keys x 2] (B), 64
  *               keys (4 C tiles) at a time; scores to a float32 buffer [16 x keys].
  *   softmax     per row, in AVX-512: the segment's max m', P = 2^(S * scale * log2 e - m) with
- *               m = max(m_old, m') (masked keys: P = 0), rounded to bfloat16, the sum of P in float32,
- *               the running output and sum rescaled by 2^(m_old - m).
+ *               m = m_old unless m' > m_old + 8, else m' (masked keys: P = 0), rounded to bfloat16,
+ *               the sum of P in float32, the running output and sum rescaled by 2^(m_old - m).
  *   O += P V    P tile [16 rows x 32 keys] (A) times V packed [16 key pairs x 16 dims x 2] (B), the
  *               running output [16 x D] float32 loaded into C tiles and stored back.
  *
@@ -49,7 +49,7 @@ enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_
 
 #define CA_MAX_D 128 /* head dim, a multiple of 32 (chunk_attention.MAX_HEAD_DIM) */
 #define CA_MAX_G 16  /* query heads per KV head (chunk_attention.MAX_QUERY_HEADS_PER_KV_HEAD) */
-#define CA_TQ 64     /* query tokens per work item, the most (halved for small steps) */
+#define CA_TQ 128    /* query tokens per work item, the most (halved for small steps) */
 #define CA_ARCH_REQ_XCOMP_PERM 0x1023
 #define CA_XFEATURE_XTILEDATA 18
 
@@ -204,9 +204,8 @@ CA_TARGET static void ca_pack_v(uint16_t *vp, int64_t s0, int64_t nk, int64_t en
 /* ---- one M tile over one segment ---------------------------------------------------------------- */
 
 /* 2^x for float32 lanes (x <= 0 here): 2^round(x) * p(x - round(x)), p the degree-5 Taylor polynomial
- * of 2^f on [-1/2, 1/2] (relative error < 3e-6); x below -126 gives ~0. */
+ * of 2^f on [-1/2, 1/2] (relative error < 3e-6); very negative x underflow to 0 in the scaling. */
 CA_TARGET static inline __m512 ca_exp2(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(1.3333558e-3f);
@@ -218,129 +217,190 @@ CA_TARGET static inline __m512 ca_exp2(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Keys per block: the walk goes segment by segment, each in blocks of CA_KB keys that one M tile
+ * takes through scores, softmax and P V while they are in L1 (a block's packed K and V are 16 KiB
+ * each for D = 64). The block only orders the float32 sums (the online softmax is exact for any split). */
+#define CA_KB 128
+/* Row strides of the score and probability buffers, padded past a power of two so the 16 rows of a
+ * tile do not share a handful of L1 sets. */
+#define CA_LDS (CA_KB + 16)
+#define CA_LDP (CA_KB + 32)
+/* The running max before any key: finite, so the first rescale 2^(CA_M0 - m) is 0, not NaN. */
+#define CA_M0 (-1e30f)
+#define CA_SLACK 8.0f /* log2 units (see ca_softmax) */
+
 typedef struct ca_seg {
-    uint16_t *kp, *vp; /* packed K, V of the segment */
-    float *s;          /* [16 x ld] scores */
-    uint16_t *p;       /* [16 x ld] probabilities */
-    int64_t ld;        /* keys per row of s and p: the segment rounded up to 32 */
+    uint16_t *kp, *vp; /* packed K, V of the key block */
+    float *s;          /* [16 x CA_LDS] scores */
+    uint16_t *p;       /* [16 x CA_LDP] probabilities */
 } ca_seg;
 
-/* S = Q K^T for keys 0 .. nk - 1 of the segment (nk a multiple of 32) into sg->s. */
+/* S = Q K^T for keys 0 .. nk - 1 of the block (nk a multiple of 32) into sg->s. Q is the M tile
+ * [16 x D] (row stride D). For D <= 64 its (one or two) A tiles stay loaded across the keys. */
 CA_TARGET static void ca_scores(const uint16_t *qt, int64_t D, int64_t nk, const ca_seg *sg) {
-    const int64_t KS = D / 32, lds = sg->ld * 4;
-    for (int64_t j0 = 0; j0 < nk / 16; j0 += 4) {
-        const uint16_t *k0 = sg->kp + j0 * KS * 512;
-        const int64_t kstep = KS * 512; /* from one key group's tiles to the next */
-        float *s = sg->s + j0 * 16;
-        if (nk / 16 - j0 >= 4) {
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t ks = 0; ks < KS; ks++) {
-                _tile_loadd(4, qt + 32 * ks, D * 2);
-                _tile_loadd(5, k0 + ks * 512, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, k0 + kstep + ks * 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, k0 + 2 * kstep + ks * 512, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, k0 + 3 * kstep + ks * 512, 64);
-                _tile_dpbf16ps(3, 4, 5);
-            }
-            _tile_stored(0, s, lds); _tile_stored(1, s + 16, lds);
-            _tile_stored(2, s + 32, lds); _tile_stored(3, s + 48, lds);
-        } else { /* the last 32 keys */
-            _tile_zero(0); _tile_zero(1);
-            for (int64_t ks = 0; ks < KS; ks++) {
-                _tile_loadd(4, qt + 32 * ks, D * 2);
-                _tile_loadd(5, k0 + ks * 512, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, k0 + kstep + ks * 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
-            }
-            _tile_stored(0, s, lds); _tile_stored(1, s + 16, lds);
-        }
+    const int64_t KS = D / 32, kstep = KS * 512; /* from one key group's tiles to the next */
+    const int64_t lds = CA_LDS * 4;
+    if (KS <= 2) {
+        _tile_loadd(4, qt, D * 2);
+        if (KS == 2) _tile_loadd(5, qt + 32, D * 2);
     }
+    for (int64_t j0 = 0; j0 < nk / 16; j0 += 4) {
+        const uint16_t *k0 = sg->kp + j0 * kstep;
+        float *s = sg->s + j0 * 16;
+        const int four = nk / 16 - j0 >= 4; /* else the last 32 keys */
+        _tile_zero(0); _tile_zero(1);
+        if (four) { _tile_zero(2); _tile_zero(3); }
+        if (KS <= 2) {
+            _tile_loadd(6, k0, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, k0 + kstep, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (four) {
+                _tile_loadd(6, k0 + 2 * kstep, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, k0 + 3 * kstep, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+            if (KS == 2) {
+                _tile_loadd(6, k0 + 512, 64);
+                _tile_dpbf16ps(0, 5, 6);
+                _tile_loadd(7, k0 + kstep + 512, 64);
+                _tile_dpbf16ps(1, 5, 7);
+                if (four) {
+                    _tile_loadd(6, k0 + 2 * kstep + 512, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_loadd(7, k0 + 3 * kstep + 512, 64);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+        } else {
+            for (int64_t ks = 0; ks < KS; ks++) {
+                _tile_loadd(4, qt + 32 * ks, D * 2);
+                _tile_loadd(6, k0 + ks * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, k0 + kstep + ks * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                if (four) {
+                    _tile_loadd(5, k0 + 2 * kstep + ks * 512, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(6, k0 + 3 * kstep + ks * 512, 64);
+                    _tile_dpbf16ps(3, 4, 6);
+                }
+            }
+        }
+        _tile_stored(0, s, lds); _tile_stored(1, s + 16, lds);
+        if (four) { _tile_stored(2, s + 32, lds); _tile_stored(3, s + 48, lds); }
+    }
+}
+
+static inline __mmask16 ca_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* 32 probabilities 2^(s * c - m) (lanes at or past n: 0) to bfloat16 at p; returns their float32 sum. */
+CA_TARGET static inline __m512 ca_exp32(const float *s, uint16_t *p, __m512 cv, __m512 mv, int64_t n, __m512 sum) {
+    __m512 e0 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s), cv, mv));
+    __m512 e1 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), cv, mv));
+    if (n < 32) {
+        e0 = _mm512_maskz_mov_ps(ca_lanes(n), e0);
+        e1 = _mm512_maskz_mov_ps(ca_lanes(n - 16), e1);
+    }
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* e0 in the low half */
+    return _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
 }
 
 /* Online softmax of the 16 rows: row r sees keys 0 .. vis[r] - 1 (>= 0) of nk. Writes P (bfloat16, 0
- * past vis) to sg->p, updates m (running max of S * c, c = scale * log2 e), l (running sum) and returns
- * each row's rescale factor of the running output in alpha. */
-CA_TARGET static void ca_softmax(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg, float *m,
-                                 float *l, float alpha[16]) {
+ * past vis) to sg->p, updates m (running max of S * c, c = scale * log2 e; CA_M0 before any key), l
+ * (running sum, of the float32 P) and returns each row's rescale factor of the running output in alpha.
+ * The rows' maxima and sums are reduced together (a 16 x 16 transpose, then lane-wise), not row by row:
+ * sixteen horizontal reductions and scalar exps per block would be a chain of latencies. */
+CA_TARGET static __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg, float *m,
+                                      float *l, float alpha[16]) {
     const __m512 cv = _mm512_set1_ps(c);
+    __m512 acc[16];
     for (int r = 0; r < 16; r++) {
-        const float *s = sg->s + r * sg->ld;
-        uint16_t *p = sg->p + r * sg->ld;
-        int64_t n = vis[r];
-        if (n <= 0) { /* no visible key in this segment */
-            memset(p, 0, nk * 2);
-            alpha[r] = 1.0f;
-            continue;
-        }
+        const float *s = sg->s + r * CA_LDS;
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        int64_t k = 0;
-        for (; k + 16 <= n; k += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + k));
-        if (k < n) mx = _mm512_mask_max_ps(mx, (__mmask16)((1u << (n - k)) - 1), mx, _mm512_loadu_ps(s + k));
-        float m_new = _mm512_reduce_max_ps(mx) * c;
-        float m_old = m[r];
-        if (m_old > m_new) m_new = m_old;
-        const __m512 mv = _mm512_set1_ps(m_new);
-        __m512 sum = _mm512_setzero_ps();
-        for (k = 0; k < nk; k += 32) {
-            __mmask16 k0 = n >= k + 16 ? 0xffff : n <= k ? 0 : (__mmask16)((1u << (n - k)) - 1);
-            __mmask16 k1 = n >= k + 32 ? 0xffff : n <= k + 16 ? 0 : (__mmask16)((1u << (n - k - 16)) - 1);
-            __m512 e0 = _mm512_maskz_mov_ps(k0, ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + k), cv, mv)));
-            __m512 e1 = _mm512_maskz_mov_ps(k1, ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + k + 16), cv, mv)));
-            __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0); /* e0 in the low half */
-            _mm512_storeu_si512(p + k, (__m512i)pb);
-            /* Sum what the product uses: the bfloat16 values, widened back. */
-            __m512i w = (__m512i)pb;
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u))));
-        }
-        float a = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
-        m[r] = m_new;
-        l[r] = l[r] * a + _mm512_reduce_add_ps(sum);
-        alpha[r] = a;
+        for (int64_t k = 0; k < vis[r]; k += 16) mx = _mm512_mask_max_ps(mx, ca_lanes(vis[r] - k), mx, _mm512_loadu_ps(s + k));
+        acc[r] = mx;
     }
+    ca_transpose16(acc);
+    __m512 mx = acc[0];
+    for (int r = 1; r < 16; r++) mx = _mm512_max_ps(mx, acc[r]);
+    /* The reference max moves only when a score exceeds it by more than CA_SLACK (FlashAttention-3's
+     * conditional rescaling): P <= 2^CA_SLACK then, harmless in float32 and bfloat16, and most blocks
+     * leave the running output as it is (alpha = 1 exactly) instead of rescaling it in memory. */
+    const __m512 m_old = _mm512_loadu_ps(m), seen = _mm512_mul_ps(mx, cv);
+    const __mmask16 moves = _mm512_cmp_ps_mask(seen, _mm512_add_ps(m_old, _mm512_set1_ps(CA_SLACK)), _CMP_GT_OQ);
+    const __m512 m_new = _mm512_mask_mov_ps(m_old, moves, seen);
+    const __m512 a = ca_exp2(_mm512_sub_ps(m_old, m_new)); /* 1 where it stays, 0 from CA_M0 */
+    _mm512_storeu_ps(m, m_new);
+    _mm512_storeu_ps(alpha, a);
+    for (int r = 0; r < 16; r++) {
+        const float *s = sg->s + r * CA_LDS;
+        uint16_t *p = sg->p + r * CA_LDP;
+        const __m512 mv = _mm512_set1_ps(m[r]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = 0; k < nk; k += 32) sum = ca_exp32(s + k, p + k, cv, mv, vis[r] - k, sum);
+        acc[r] = sum;
+    }
+    ca_transpose16(acc);
+    __m512 sum = acc[0];
+    for (int r = 1; r < 16; r++) sum = _mm512_add_ps(sum, acc[r]);
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, sum));
+    return moves;
 }
 
-/* o [16 x D] (float32, row stride D) = o * alpha + P V over keys 0 .. nk - 1. */
-CA_TARGET static void ca_pv(float *o, const float alpha[16], int64_t D, int64_t nk, const ca_seg *sg) {
+/* o [16 x D] (float32, row stride D) = o * alpha + P V over keys 0 .. nk - 1; only the rows in
+ * `moves` have alpha != 1. */
+CA_TARGET static void ca_pv(float *o, const float alpha[16], __mmask16 moves, int64_t D, int64_t nk,
+                            const ca_seg *sg) {
     const int64_t DT = D / 16;
-    for (int r = 0; r < 16; r++) {
-        if (alpha[r] == 1.0f) continue;
+    for (int r = 0; moves && r < 16; r++) {
+        if (!(moves >> r & 1)) continue;
         const __m512 av = _mm512_set1_ps(alpha[r]);
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), av));
     }
-    const int64_t ldo = D * 4, ldp = sg->ld * 2;
+    const int64_t ldo = D * 4, ldp = CA_LDP * 2;
     for (int64_t dt0 = 0; dt0 < DT; dt0 += 4) {
-        const int nd = DT - dt0 >= 4 ? 4 : (int)(DT - dt0); /* 2 or 4: D is a multiple of 32 */
+        const int four = DT - dt0 >= 4; /* else 2 dim tiles: D is a multiple of 32 */
         float *od = o + dt0 * 16;
         _tile_loadd(0, od, ldo);
         _tile_loadd(1, od + 16, ldo);
-        if (nd == 4) {
+        if (four) {
             _tile_loadd(2, od + 32, ldo);
             _tile_loadd(3, od + 48, ldo);
         }
         for (int64_t kk = 0; kk < nk / 32; kk++) {
             const uint16_t *v = sg->vp + (kk * DT + dt0) * 512;
             _tile_loadd(4, sg->p + 32 * kk, ldp);
-            _tile_loadd(5, v, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, v + 512, 64);
-            _tile_dpbf16ps(1, 4, 6);
-            if (nd == 4) {
-                _tile_loadd(7, v + 1024, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, v + 1536, 64);
-                _tile_dpbf16ps(3, 4, 5);
+            _tile_loadd(6, v, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, v + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (four) {
+                _tile_loadd(5, v + 1024, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, v + 1536, 64);
+                _tile_dpbf16ps(3, 4, 6);
             }
         }
         _tile_stored(0, od, ldo);
         _tile_stored(1, od + 16, ldo);
-        if (nd == 4) {
+        if (four) {
             _tile_stored(2, od + 32, ldo);
             _tile_stored(3, od + 48, ldo);
+        }
+    }
+}
+
+/* Prefetch into L2 the K and V rows of positions p0 .. p1 - 1 (the next key block, read while this
+ * one is computed: the cache is strided by heads and its blocks scattered, beyond the prefetchers). */
+static inline void ca_prefetch(int64_t p0, int64_t p1, const uint16_t *kc, const uint16_t *vc, const int32_t *bt,
+                               int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t off = (((int64_t)bt[p / block_size] * block_size + p % block_size) * Hkv + h) * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            _mm_prefetch((const char *)(kc + off + d), _MM_HINT_T1);
+            _mm_prefetch((const char *)(vc + off + d), _MM_HINT_T1);
         }
     }
 }
@@ -354,7 +414,8 @@ typedef struct ca_ws {
     float *m, *l;   /* [M tiles][16] running max (of S * c) and sum */
 } ca_ws;
 
-/* Chunk i, KV head h, query tokens t0 .. t1 - 1 of the chunk. */
+/* Chunk i, KV head h, query tokens t0 .. t1 - 1 of the chunk: segment by segment, block by block of
+ * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V. */
 CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t t0, int64_t t1,
                               int64_t seg, ca_ws *w) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, Hkv = a->Hkv, bs = a->block_size;
@@ -373,28 +434,32 @@ CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64
                 else memset(dst, 0, D * 2);
             }
     memset(w->o, 0, sizeof(float) * nm * 16 * D);
-    for (int64_t j = 0; j < nm * 16; j++) w->m[j] = -INFINITY, w->l[j] = 0.0f;
+    for (int64_t j = 0; j < nm * 16; j++) w->m[j] = CA_M0, w->l[j] = 0.0f;
     const int64_t end = prior + t1; /* keys the item's last query sees */
     for (int64_t s0 = 0; s0 < end; s0 += seg) {
-        const int64_t s1 = s0 + seg < end ? s0 + seg : end, np = (s1 - s0 + 31) / 32 * 32;
-        ca_pack_k(w->sg.kp, s0, np, s1, kc, bt, bs, Hkv, h, D);
-        ca_pack_v(w->sg.vp, s0, np, s1, vc, bt, bs, Hkv, h, D);
-        for (int64_t qt = 0; qt < nqt; qt++) {
-            const int64_t first = prior + t0 + qt * 16; /* position of the tile's row 0 */
-            const int64_t last = prior + t0 + (qt * 16 + 15 < nq ? qt * 16 + 15 : nq - 1);
-            if (last < s0) continue; /* the tile sees nothing of this segment (causal) */
-            const int64_t nvalid = (s1 < last + 1 ? s1 : last + 1) - s0, nk = (nvalid + 31) / 32 * 32;
-            int64_t vis[16];
-            for (int r = 0; r < 16; r++) {
-                int64_t v = first + r - s0 + 1;
-                vis[r] = v < 0 ? 0 : v > nvalid ? nvalid : v;
-            }
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t mt = g * nqt + qt;
-                float alpha[16];
-                ca_scores(w->q + mt * 16 * D, D, nk, &w->sg);
-                ca_softmax(vis, nk, c, &w->sg, w->m + mt * 16, w->l + mt * 16, alpha);
-                ca_pv(w->o + mt * 16 * D, alpha, D, nk, &w->sg);
+        const int64_t s1 = s0 + seg < end ? s0 + seg : end;
+        for (int64_t b0 = s0; b0 < s1; b0 += CA_KB) {
+            const int64_t b1 = b0 + CA_KB < s1 ? b0 + CA_KB : s1, np = (b1 - b0 + 31) / 32 * 32;
+            ca_pack_k(w->sg.kp, b0, np, b1, kc, bt, bs, Hkv, h, D);
+            ca_pack_v(w->sg.vp, b0, np, b1, vc, bt, bs, Hkv, h, D);
+            ca_prefetch(b1, b1 + CA_KB < end ? b1 + CA_KB : end, kc, vc, bt, bs, Hkv, h, D);
+            for (int64_t qt = 0; qt < nqt; qt++) {
+                const int64_t first = prior + t0 + qt * 16; /* position of the tile's row 0 */
+                const int64_t last = prior + t0 + (qt * 16 + 15 < nq ? qt * 16 + 15 : nq - 1);
+                if (last < b0) continue; /* the tile sees nothing of this block (causal) */
+                const int64_t nvalid = (b1 < last + 1 ? b1 : last + 1) - b0, nk = (nvalid + 31) / 32 * 32;
+                int64_t vis[16];
+                for (int r = 0; r < 16; r++) {
+                    int64_t v = first + r - b0 + 1;
+                    vis[r] = v < 0 ? 0 : v > nvalid ? nvalid : v;
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t mt = g * nqt + qt;
+                    float alpha[16];
+                    ca_scores(w->q + mt * 16 * D, D, nk, &w->sg);
+                    __mmask16 moves = ca_softmax(vis, nk, c, &w->sg, w->m + mt * 16, w->l + mt * 16, alpha);
+                    ca_pv(w->o + mt * 16 * D, alpha, moves, D, nk, &w->sg);
+                }
             }
         }
     }
@@ -441,23 +506,22 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
     for (;;) {
         items = 0;
         for (int64_t i = 0; i < n; i++) items += (a->qlens[i] + tq - 1) / tq * Hkv;
-        if (tq <= 16 || items >= 2 * threads) break;
+        if (tq <= 16 || items >= 4 * threads) break;
         tq /= 2;
     }
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (n + 1)); /* first item of chunk i */
     if (!first) return CA_ERR_NOMEM;
     first[0] = 0;
     for (int64_t i = 0; i < n; i++) first[i + 1] = first[i] + (a->qlens[i] + tq - 1) / tq * Hkv;
-    const int64_t ld = (seg + 31) / 32 * 32, nm = G * (tq / 16);
+    const int64_t nm = G * (tq / 16);
     int failed = 0;
 #pragma omp parallel
     {
         ca_ws w;
-        w.sg.ld = ld;
-        w.sg.kp = (uint16_t *)aligned_alloc(64, ld * D * 2);
-        w.sg.vp = (uint16_t *)aligned_alloc(64, ld * D * 2);
-        w.sg.s = (float *)aligned_alloc(64, 16 * ld * 4);
-        w.sg.p = (uint16_t *)aligned_alloc(64, 16 * ld * 2);
+        w.sg.kp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
+        w.sg.vp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
+        w.sg.s = (float *)aligned_alloc(64, 16 * CA_LDS * 4);
+        w.sg.p = (uint16_t *)aligned_alloc(64, 16 * CA_LDP * 2);
         w.q = (uint16_t *)aligned_alloc(64, nm * 16 * D * 2);
         w.o = (float *)aligned_alloc(64, nm * 16 * D * 4);
         w.m = (float *)malloc(nm * 16 * 4);
