@@ -477,12 +477,16 @@ def build_step_plan(
     chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
     qsl, priors = metadata.query_start_loc_cpu, metadata.prior_tokens_cpu
     columns = ([qsl[i] for i in chunks], [qlens[i] for i in chunks], [priors[i] for i in chunks], chunks)
-    chunk_args = tuple(torch.tensor(c, dtype=torch.long) for c in columns)  # request i is table row i
+    chunk_args = tuple(torch.tensor(c, dtype=torch.long) for c in columns) if chunks else _NO_CHUNKS
     fill = not chunks and len(decodes) == metadata.num_padded_tokens and decodes == sorted(decodes)
     return _StepPlan(
         decode_rows=rows, decode_reqs=reqs, decode_lens=torch.tensor(walk, dtype=torch.long, device=device),
         decode_calls=tuple(calls), chunks=chunks, chunk_args=chunk_args, decodes_fill_step=fill,
     )
+
+
+# (starts, query lens, priors, block-table rows) of a step without chunks; request i is table row i.
+_NO_CHUNKS = tuple(torch.zeros(0, dtype=torch.long) for _ in range(4))
 
 
 def _tail_mask(valid: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
