@@ -231,8 +231,8 @@ CA_TARGET static inline __m512 ca_exp2(__m512 x) {
 
 typedef struct ca_seg {
     uint16_t *kp, *vp; /* packed K, V of the key block */
-    float *s;          /* [16 x CA_LDS] scores */
-    uint16_t *p;       /* [16 x CA_LDP] probabilities (of one head; the workspace holds G) */
+    float *s;          /* [16 x CA_LDS] scores (of one head; the workspace holds G) */
+    uint16_t *p;       /* [16 x CA_LDP] probabilities (likewise) */
 } ca_seg;
 
 /* S = Q K^T for keys 0 .. nk - 1 of the block (nk a multiple of 32) into sg->s. Q is the M tile
@@ -453,15 +453,20 @@ CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64
                     int64_t v = first + r - b0 + 1;
                     vis[r] = v < 0 ? 0 : v > nvalid ? nvalid : v;
                 }
-                /* Every head's probabilities first, then every head's P V: a tile load of P then comes
-                 * long after the vector stores that wrote it (tiles do not forward from the store buffer). */
+                /* Every head's scores, then every head's probabilities, then every head's P V: each
+                 * buffer is read long after it was written, by vector loads after tile stores (S) and by
+                 * tile loads after vector stores (P), which do not forward from the store buffer. */
                 float alpha[CA_MAX_G][16];
                 __mmask16 moves[CA_MAX_G];
                 ca_seg sg = w->sg;
                 for (int64_t g = 0; g < G; g++) {
+                    sg.s = w->sg.s + g * 16 * CA_LDS;
+                    ca_scores(w->q + (g * nqt + qt) * 16 * D, D, nk, &sg);
+                }
+                for (int64_t g = 0; g < G; g++) {
                     const int64_t mt = g * nqt + qt;
+                    sg.s = w->sg.s + g * 16 * CA_LDS;
                     sg.p = w->sg.p + g * 16 * CA_LDP;
-                    ca_scores(w->q + mt * 16 * D, D, nk, &sg);
                     moves[g] = ca_softmax(vis, nk, c, &sg, w->m + mt * 16, w->l + mt * 16, alpha[g]);
                 }
                 for (int64_t g = 0; g < G; g++) {
@@ -528,7 +533,7 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
         ca_ws w;
         w.sg.kp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
         w.sg.vp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
-        w.sg.s = (float *)aligned_alloc(64, 16 * CA_LDS * 4);
+        w.sg.s = (float *)aligned_alloc(64, G * 16 * CA_LDS * 4); /* one per head of the group */
         w.sg.p = (uint16_t *)aligned_alloc(64, G * 16 * CA_LDP * 2); /* one per head of the group */
         w.q = (uint16_t *)aligned_alloc(64, nm * 16 * D * 2);
         w.o = (float *)aligned_alloc(64, nm * 16 * D * 4);
