@@ -77,6 +77,18 @@ def test_other_head_shapes(heads: tuple[int, int], head_dim: int) -> None:
     _check([40, 7], [70, 300], heads=heads, head_dim=head_dim)
 
 
+def test_scores_growing_along_the_walk_move_the_running_max() -> None:
+    """Keys 6x larger in the prior's second half: later blocks' scores exceed the running max by far
+    more than the kernel's rescaling slack (2^8), so the running output is rescaled, not overflowed."""
+    case = make_case([40], [1000], block_size=16, seg=512, dtype=torch.bfloat16, seed=5)
+    row = case.metadata.block_table[0].tolist()
+    for b in row[500 // 16 : 1000 // 16]:
+        case.cache[0, b] *= 6
+    expect = sdpa_oracle(case, case.cache.clone())
+    got = _run_kernel(case).float()
+    assert (got - expect).abs().max() <= MAX_ABS_ERR
+
+
 def test_segment_size_changes_only_rounding() -> None:
     case = make_case([200], [1100], block_size=16, seg=512, dtype=torch.bfloat16, seed=4)
     a = _run_kernel(case, seg=512).float()
