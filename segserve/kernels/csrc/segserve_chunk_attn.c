@@ -316,11 +316,20 @@ CA_TARGET static __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c
                                       float *l, float alpha[16]) {
     const __m512 cv = _mm512_set1_ps(c);
     __m512 acc[16];
+    int all = 1; /* every row sees all nk keys: no masks, and the 16 rows' maxima as 16 chains at once */
     for (int r = 0; r < 16; r++) {
-        const float *s = sg->s + r * CA_LDS;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t k = 0; k < vis[r]; k += 16) mx = _mm512_mask_max_ps(mx, ca_lanes(vis[r] - k), mx, _mm512_loadu_ps(s + k));
-        acc[r] = mx;
+        acc[r] = _mm512_set1_ps(-INFINITY);
+        all &= vis[r] == nk;
+    }
+    if (all) {
+        for (int64_t k = 0; k < nk; k += 16)
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_max_ps(acc[r], _mm512_loadu_ps(sg->s + r * CA_LDS + k));
+    } else {
+        for (int r = 0; r < 16; r++) {
+            const float *s = sg->s + r * CA_LDS;
+            for (int64_t k = 0; k < vis[r]; k += 16)
+                acc[r] = _mm512_mask_max_ps(acc[r], ca_lanes(vis[r] - k), acc[r], _mm512_loadu_ps(s + k));
+        }
     }
     ca_transpose16(acc);
     __m512 mx = acc[0];
