@@ -32,6 +32,11 @@ With the compiled CPU kernels (``segserve.kernels.cpu``; float32/bfloat16 cache)
 form: one C call per layer walks every decode's blocks in place through the block table, one work
 item per (decode, KV head, segment), merged by log-sum-exp. It never gathers, so interleaved blocks
 cost nothing extra, and it has no per-segment dispatch; the plan then skips the decode calls.
+With them and a bfloat16 cache on a CPU with AMX (``segserve.kernels.chunk_attention``), the chunks
+too are one C call per layer: every chunk's queries walk their prior and their own tokens in place
+through the block table, ``kv_segment_size`` tokens at a time with an online softmax, Q K^T and P V on
+AMX tiles; no gather, no per-segment call, no Python-side merge. Float32 caches, and CPUs without AMX,
+keep the SDPA path above.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from segserve.attention.plan import (
     segments_per_call,
 )
 from segserve.attention.plan import decode_calls as plan_decode_calls
+from segserve.kernels import chunk_attention as chunk_kernels
 from segserve.kernels import cpu as cpu_kernels
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -176,6 +182,9 @@ class _StepPlan:
     decode_lens: torch.Tensor  # (n_decodes,) int64 cached tokens each walks (prior + its own)
     decode_calls: tuple[_DecodeCall, ...]  # empty when planned for the compiled kernel
     chunks: tuple[int, ...]  # requests with query length > 1
+    # (starts, query lens, priors, block-table rows) of the chunks, (n_chunks,) int64 each: the
+    # compiled chunk kernel's arguments.
+    chunk_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     # Every row of the step is a decode and they are already in walk order (batch 1 is): the decode
     # result is the layer's output as it stands, with no scatter into a zeroed buffer.
     decodes_fill_step: bool
@@ -237,6 +246,11 @@ class SegmentedAttentionBackend:
                 q, out, plan.decode_rows, kv_cache, metadata.block_table, plan.decode_reqs, plan.decode_lens,
                 metadata.kv_segment_size, scale,
             )
+            if plan.chunks and chunk_kernels.supports(q, kv_cache):  # every chunk in one C call
+                chunk_kernels.chunk_attention(
+                    q, out, kv_cache, metadata.block_table, *plan.chunk_args, metadata.kv_segment_size, scale
+                )
+                return out
             return self._chunks_into(out, q, k, v, kv_cache, metadata, plan, scale)
         out_dtype, cdtype = q.dtype, kv_cache.dtype
         q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
@@ -461,11 +475,18 @@ def build_step_plan(
                 mask, tokens = _tail_mask(c.valid, width, kv_cache.dtype, kv_cache.device), width
             calls.append(_DecodeCall(c, kv, mask, tokens))
     chunks = tuple(i for i, n in enumerate(qlens) if n > 1)
+    qsl, priors = metadata.query_start_loc_cpu, metadata.prior_tokens_cpu
+    columns = ([qsl[i] for i in chunks], [qlens[i] for i in chunks], [priors[i] for i in chunks], chunks)
+    chunk_args = tuple(torch.tensor(c, dtype=torch.long) for c in columns) if chunks else _NO_CHUNKS
     fill = not chunks and len(decodes) == metadata.num_padded_tokens and decodes == sorted(decodes)
     return _StepPlan(
         decode_rows=rows, decode_reqs=reqs, decode_lens=torch.tensor(walk, dtype=torch.long, device=device),
-        decode_calls=tuple(calls), chunks=chunks, decodes_fill_step=fill,
+        decode_calls=tuple(calls), chunks=chunks, chunk_args=chunk_args, decodes_fill_step=fill,
     )
+
+
+# (starts, query lens, priors, block-table rows) of a step without chunks; request i is table row i.
+_NO_CHUNKS = tuple(torch.zeros(0, dtype=torch.long) for _ in range(4))
 
 
 def _tail_mask(valid: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ ABI_VERSION = 4
 SYMBOLS = (
     "sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack",
     "sg_rows", "sg_amx_probe", "sg_amx_pack", "sg_amx_linear", "sg_amx_peak",
+    "sg_chunk_attention", "sg_chunk_attention_amx",
 )
 
 _loaded: ctypes.CDLL | None = None

@@ -125,3 +125,50 @@ def test_compare_rejects_a_clear_difference_and_a_logprob_drift() -> None:
         compare([1], [{1: -0.1}], [0], ref_close)
     with pytest.raises(AssertionError):
         compare([0], [{0: ref_lps[0][0].item() - 2 * LOGPROB_TOL}], [0], ref_lps)
+
+
+def _greedy_with_logprobs(model, prompts: list[list[int]], budget: int) -> list:
+    from segserve.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(model=model, dtype="bfloat16", max_num_batched_tokens=budget, max_model_len=8192)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", p, params)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    return [outs[f"p{i}"].outputs[0] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+@requires_model
+def test_amx_chunk_attention_keeps_the_sdpa_paths_greedy_tokens_up_to_close_calls(smollm_bf16) -> None:
+    """The compiled AMX chunk kernel against the same engine with it off (SDPA chunks): long prompts
+    prefilled in 512-token chunks (the document twice, ~4,450 tokens: its late chunks attend over
+    ~3,900 cached ones), two at once so steps hold several chunks. Tokens agree until a close call
+    (both sides' top two within ``MARGIN``); the chosen token's logprobs within ``LOGPROB_TOL``."""
+    from segserve.kernels import chunk_attention
+
+    if not chunk_attention.available():
+        pytest.skip("AMX chunk attention unavailable on this machine")
+    tok = smollm_bf16.tokenizer
+    doc = default_document()
+    prompts = [tok.encode(doc + "\n\n" + doc + "\n\nSummarize the license above in one sentence:"),
+               tok.encode(doc[5000:9000] + "\n\nWhat does section 4 require?")]
+    ours = _greedy_with_logprobs(smollm_bf16, prompts, 512)
+    with chunk_attention.disabled():
+        ref = _greedy_with_logprobs(smollm_bf16, prompts, 512)
+    agreed = 0
+    for a, b in zip(ours, ref, strict=True):
+        steps = zip(a.token_ids, b.token_ids, strict=True)
+        for j, (x, y) in enumerate(steps):
+            if x == y:
+                drift = abs(a.logprobs[j][x] - b.logprobs[j][x])
+                assert drift < LOGPROB_TOL, (j, a.logprobs[j], b.logprobs[j])
+                agreed += 1
+                continue
+            assert y in a.logprobs[j] and x in b.logprobs[j], f"step {j}: {x} vs {y} not in each other's top"
+            assert 0 <= a.logprobs[j][x] - a.logprobs[j][y] < MARGIN, (j, a.logprobs[j])
+            assert 0 <= b.logprobs[j][y] - b.logprobs[j][x] < MARGIN, (j, b.logprobs[j])
+            break
+    assert agreed >= NUM_TOKENS, agreed  # at least one prompt's worth

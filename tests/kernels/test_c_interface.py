@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from segserve.kernels import amx, build
+from segserve.kernels import chunk_attention as chunk_kernels
 from segserve.kernels import cpu as cpu_kernels
 
 CPU_READY = all(flag in build._cpu_flags() for flag in build.REQUIRED_CPU_FLAGS)
@@ -30,9 +31,10 @@ MIRRORS = {
     "sg_amx_pack_args": amx._PackArgs,
     "sg_amx_linear_args": amx._LinearArgs,
     "sg_amx_peak_args": amx._PeakArgs,
+    "sg_chunk_attention_args": chunk_kernels._ChunkAttentionArgs,
 }
-# Every entry point's ctypes struct, from both wrapper modules.
-ENTRY_POINTS = {**cpu_kernels._ARGS, **amx._ARGS}
+# Every entry point's argument struct, whichever wrapper module mirrors it.
+ENTRY_POINTS = {**cpu_kernels._ARGS, **amx._ARGS, **chunk_kernels._ARGS}
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 needs_cpu = pytest.mark.skipif(not CPU_READY, reason="CPU lacks AVX-512F / AVX-512 BF16")
 
@@ -91,6 +93,7 @@ def test_each_entry_point_takes_its_struct_and_it_starts_with_its_size() -> None
 def test_a_struct_of_another_size_is_refused_by_the_library(name: str) -> None:
     lib, cls = amx._library(), ENTRY_POINTS[name]
     assert lib is not None, cpu_kernels.unavailable_reason()
+    assert chunk_kernels._library() is lib  # types sg_chunk_attention's argument (a pointer, not a copy)
     for size in (0, cls.SIZE - 8, cls.SIZE + 8):
         args = cls(size=size)
         # One head of dim 16: were the size not checked, the shape checks would answer (-1 or 0)
@@ -131,7 +134,7 @@ def test_every_wrapper_raises_on_a_layout_mismatch_and_writes_nothing(monkeypatc
     """As if cpu.py and the library had been built from different versions of each struct."""
     stack, caches = _stack()
     stack._args.size += 8  # filled once at construction
-    for cls in cpu_kernels._ARGS.values():
+    for cls in ENTRY_POINTS.values():
         monkeypatch.setattr(cls, "SIZE", cls.SIZE + 8)
     refused = pytest.raises(RuntimeError, match="argument struct of another size")
 
@@ -159,6 +162,12 @@ def test_every_wrapper_raises_on_a_layout_mismatch_and_writes_nothing(monkeypatc
                                      512, 0.25)
     assert torch.count_nonzero(out) == 0
 
+    h, add = torch.randn(2, 32), torch.randn(2, 32)
+    before = h.clone()
+    with refused:
+        cpu_kernels.add_rmsnorm_(h, torch.ones(32), 1e-5, add=add)
+    assert torch.equal(h, before)
+
     h = torch.randn(1, 64)
     before, cache_before = h.clone(), [c.clone() for c in caches]
     with refused:
@@ -166,3 +175,13 @@ def test_every_wrapper_raises_on_a_layout_mismatch_and_writes_nothing(monkeypatc
                   torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([6]), 512, 0.25)
     assert torch.equal(h, before)
     assert all(torch.equal(a, b) for a, b in zip(caches, cache_before, strict=True))
+
+    if chunk_kernels.available():  # needs AMX
+        q, out = torch.randn(2, 2, 32).bfloat16(), torch.zeros(2, 2, 32, dtype=torch.bfloat16)
+        cache = torch.randn(2, 4, 4, 1, 32).bfloat16()
+        one = torch.tensor([0])
+        with refused:
+            chunk_kernels.chunk_attention(
+                q, out, cache, table, one, torch.tensor([2]), torch.tensor([3]), one, 512, 0.25
+            )
+        assert torch.count_nonzero(out) == 0

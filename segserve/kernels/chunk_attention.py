@@ -1,0 +1,191 @@
+"""Chunk (prefill) attention through the paged KV cache in one compiled call (``csrc/segserve_chunk_attn.c``).
+
+Every chunk of a step (a request computing ``query_len >= 1`` tokens after ``prior`` cached ones) attends
+to its prior tokens and causally to its own, whose K/V are already in the cache (the backend writes them
+first), read in place through the block table in ``kv_segment_size`` segments with an online softmax:
+no gathered copy of the cache, no per-segment dispatch, no log-sum-exp merge in Python. Q K^T and P V
+run on AMX tiles (bfloat16 caches on CPUs with AMX-TILE and AMX-BF16); elsewhere :func:`supports` is
+False and the caller keeps its SDPA path.
+
+Numerics: P is rounded to bfloat16 for the P V product (as PyTorch's CPU flash attention does for
+bfloat16); everything else accumulates in float32. Against a float32 oracle on the same bfloat16
+inputs the error is that of bfloat16 rounding (see tests/kernels/test_chunk_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from contextlib import contextmanager
+
+import torch
+
+from segserve.kernels import cpu as cpu_kernels
+
+# The C code's limits (CA_MAX_D, CA_MAX_G in csrc/segserve_chunk_attn.c).
+MAX_HEAD_DIM = 128
+MAX_QUERY_HEADS_PER_KV_HEAD = 16
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int32
+_L = ctypes.c_int64
+_F = ctypes.c_float
+
+
+class _ChunkAttentionArgs(ctypes.Structure):
+    """``sg_chunk_attention_args`` (its fields are documented in the C source)."""
+
+    _fields_ = [
+        ("size", _L), ("dt", _I), ("n", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("q", _P), ("ldq", _L),
+        ("out", _P), ("T", _L), ("starts", _P), ("qlens", _P), ("priors", _P), ("reqs", _P), ("cache", _P),
+        ("num_blocks", _L), ("block_size", _L), ("block_table", _P), ("B", _L), ("ld_bt", _L), ("seg", _L),
+        ("scale", _F),
+    ]
+
+
+_ChunkAttentionArgs.SIZE = ctypes.sizeof(_ChunkAttentionArgs)
+_ARGS = {"sg_chunk_attention": _ChunkAttentionArgs}
+_ERRORS = {-2: "out of memory", -5: "argument struct of another size (the library and "
+           "chunk_attention.py disagree on its layout)", -6: "this CPU or kernel gives no AMX tiles"}
+
+_lib = None
+_amx: bool | None = None
+# SEGSERVE_CHUNK_ATTENTION=0 turns this kernel off (the SDPA chunk path runs); set_enabled at run time.
+_switch = os.environ.get("SEGSERVE_CHUNK_ATTENTION", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _library():
+    """The compiled library with this module's entry point typed, or None (see ``cpu.enabled``)."""
+    global _lib, _amx
+    if _lib is None:
+        lib = cpu_kernels._library()
+        if lib is None:
+            return None
+        fn = lib.sg_chunk_attention
+        fn.argtypes, fn.restype = [ctypes.POINTER(_ChunkAttentionArgs)], ctypes.c_int
+        lib.sg_chunk_attention_amx.restype = ctypes.c_int
+        _amx = lib.sg_chunk_attention_amx() == 1
+        _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """Whether this kernel and the compiled kernels are on and this CPU runs AMX bfloat16 tiles (Linux
+    granted the tile state)."""
+    return _switch and cpu_kernels.enabled() and _library() is not None and bool(_amx)
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch this kernel on or off for the process (benchmarks ablate with it); returns the old setting."""
+    global _switch
+    old, _switch = _switch, bool(flag)
+    return old
+
+
+@contextmanager
+def disabled():
+    """``with disabled():`` runs the chunks through the SDPA path (the other compiled kernels stay on)."""
+    old = set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(old)
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`chunk_attention` takes these queries ``[T, Hq, D]`` and this cache (never raises):
+    the kernel is available, both are bfloat16 on the CPU, the cache is a contiguous
+    ``[2, num_blocks, block_size, Hkv, D]`` with ``D`` a multiple of 32 up to 128, ``Hq`` a multiple
+    of ``Hkv`` up to 16 per KV head, and q's heads are contiguous within a row."""
+    if not (q.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2):
+        return False
+    hq, d = q.shape[1:]
+    hkv = kv_cache.shape[3]
+    return (
+        q.dtype == kv_cache.dtype == torch.bfloat16 and q.device.type == kv_cache.device.type == "cpu"
+        and kv_cache.is_contiguous() and kv_cache.shape[4] == d and d % 32 == 0 and 0 < d <= MAX_HEAD_DIM
+        and hkv >= 1 and hq % hkv == 0 and hq // hkv <= MAX_QUERY_HEADS_PER_KV_HEAD
+        and q.stride(2) == 1 and q.stride(1) == d and available()
+    )
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    priors: torch.Tensor,
+    reqs: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> None:
+    """Chunk attention through the block table, into ``out`` in place.
+
+    Args:
+        q: ``[T, Hq, D]`` bfloat16, RoPE applied, heads contiguous within a row (a view of a fused QKV
+            output is fine). out: ``[T, Hq, D]`` contiguous bfloat16; chunk ``i`` writes rows
+            ``starts[i] .. starts[i] + query_lens[i] - 1`` (other rows untouched).
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` holding every chunk's prior tokens and its own
+            (written before this call).
+        block_table: ``[B, max_blocks_per_seq]`` int32 contiguous.
+        starts, query_lens, priors, reqs: ``(n,)`` int64 contiguous: first row, query tokens (>= 1),
+            tokens cached before it, and block-table row of each chunk. Chunk ``i``'s query ``t`` sits
+            at position ``priors[i] + t`` and sees the keys at positions ``0 .. priors[i] + t``.
+        kv_segment_size: tokens per KV segment the walk repacks and softmaxes at a time (>= 1).
+        scale: softmax scale, usually ``D ** -0.5``.
+
+    Raises:
+        ValueError: on a dtype, device, layout or shape the kernel does not take, a row or length out
+            of range, or a block id outside ``[1, num_blocks)`` (named with the limit; nothing written).
+        RuntimeError: when the library refuses the call (out of memory, no AMX, another struct layout).
+    """
+    if not supports(q, kv_cache):
+        raise ValueError(
+            f"chunk attention takes bfloat16 CPU q [T, Hq, D] (heads contiguous) and a contiguous bfloat16 "
+            f"cache [2, blocks, block_size, Hkv, D] with D % 32 == 0, D <= {MAX_HEAD_DIM}, Hq a multiple of "
+            f"Hkv up to {MAX_QUERY_HEADS_PER_KV_HEAD} per KV head, on a CPU with AMX; got q "
+            f"{tuple(q.shape)} {q.dtype} strides {q.stride()}, cache {tuple(kv_cache.shape)} "
+            f"{kv_cache.dtype} (available: {available()})"
+        )
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    t, hq = q.shape[:2]
+    cpu_kernels._on_cpu(out=out, block_table=block_table, starts=starts, query_lens=query_lens,
+                        priors=priors, reqs=reqs)
+    if out.dtype != q.dtype or out.shape != q.shape or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    if cpu_kernels._overlap(q, out):
+        raise ValueError("out must not overlap q")
+    if block_table.dtype != torch.int32 or not block_table.is_contiguous() or block_table.dim() != 2:
+        raise ValueError(f"block_table must be a contiguous 2-D int32 tensor, got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    n = starts.shape[0] if starts.dim() == 1 else -1
+    for name, x in (("starts", starts), ("query_lens", query_lens), ("priors", priors), ("reqs", reqs)):
+        if x.dtype != torch.int64 or x.dim() != 1 or x.shape[0] != n or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous ({max(n, 0)},) int64 tensor, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    if kv_segment_size < 1:
+        raise ValueError(f"kv_segment_size must be >= 1, got {kv_segment_size}")
+    if n == 0:
+        return
+    rc = _library().sg_chunk_attention(_ChunkAttentionArgs(
+        size=_ChunkAttentionArgs.SIZE, dt=1, n=n, Hq=hq, Hkv=hkv, D=d, q=q.data_ptr(), ldq=q.stride(0),
+        out=out.data_ptr(), T=t, starts=starts.data_ptr(), qlens=query_lens.data_ptr(),
+        priors=priors.data_ptr(), reqs=reqs.data_ptr(), cache=kv_cache.data_ptr(), num_blocks=num_blocks,
+        block_size=block_size, block_table=block_table.data_ptr(), B=block_table.shape[0],
+        ld_bt=block_table.shape[1], seg=kv_segment_size, scale=scale,
+    ))
+    if rc == -1:
+        raise ValueError(f"a chunk has query_len < 1, prior < 0, or prior + query_len past the block table's "
+                         f"{block_table.shape[1] * block_size} tokens")
+    if rc == -3:
+        raise ValueError(
+            f"a chunk's rows run outside [0, {t}) or its table row outside [0, {block_table.shape[0]})"
+        )
+    if rc == -4:
+        raise ValueError(f"a chunk walks a block id outside [1, {num_blocks}) (0 is the null block)")
+    if rc:
+        raise RuntimeError(f"sg_chunk_attention failed: {_ERRORS.get(rc, rc)}")

@@ -1,0 +1,589 @@
+/* segserve chunk (prefill) attention through the paged KV cache, on AMX tiles (bfloat16 caches).
+ *
+ *   sg_chunk_attention      the attention of every chunk (query length >= 1) of a step, in one call.
+ *   sg_chunk_attention_amx  1 when this CPU has AMX-TILE + AMX-BF16 and Linux grants the tile state.
+ *
+ * A chunk of Tq tokens at positions prior .. prior + Tq - 1 attends to all prior cached tokens and
+ * causally to its own, whose K/V the caller has already written to the cache (write_kv): so the kernel
+ * sees one key range 0 .. prior + Tq - 1 read through the block table, the causal mask being
+ * "key position <= query position". It walks that range in segments of `seg` tokens (the design's
+ * kv_segment_size) with a flash-style online softmax (float32 running max and sum per query row;
+ * Dao et al., FlashAttention, 2022), never gathering a copy of the cache.
+ *
+ * Work items: (chunk, KV head, query tile of up to TQ tokens), OpenMP dynamic schedule, the costliest
+ * (last query tiles) first. An item's rows are its G = Hq / Hkv query heads times its tokens, cut into
+ * 16-row M tiles (one head, 16 consecutive tokens). Per segment, the item repacks the segment's K and V
+ * of its KV head into per-thread buffers in the layouts AMX's B operand reads (VNNI pairs), once, then
+ * every M tile of the item uses them (G * TQ / 16 tiles share one repack):
+ *
+ *   S = Q K^T   Q tile [16 rows x 32 dims] (A) times K packed [16 dim pairs x 16 keys x 2] (B), 64
+ *               keys (4 C tiles) at a time; scores to a float32 buffer [16 x keys].
+ *   softmax     per row, in AVX-512: the segment's max m', P = 2^(S * scale * log2 e - m) with
+ *               m = m_old unless m' > m_old + 8, else m' (masked keys: P = 0), rounded to bfloat16,
+ *               the sum of P in float32, the running output and sum rescaled by 2^(m_old - m).
+ *   O += P V    P tile [16 rows x 32 keys] (A) times V packed [16 key pairs x 16 dims x 2] (B), the
+ *               running output [16 x D] float32 loaded into C tiles and stored back.
+ *
+ * Numerics: Q K^T exact products summed in float32; P rounded to bfloat16 for the P V product (as
+ * PyTorch's CPU flash attention does for bfloat16), sums in float32; exp2 by a degree-4 polynomial
+ * (relative error ~3e-6, far below bfloat16's 4e-3). Output rounded to bfloat16 (nearest even).
+ *
+ * The AMX code is compiled for its target only (function attributes), so this file builds and loads
+ * on CPUs without AMX; there sg_chunk_attention_amx() is 0 and sg_chunk_attention refuses with
+ * ERR_NO_AMX. Tile configuration is per thread: every OpenMP thread loads it before its items and
+ * releases the tiles after, so other code sharing the threads (another AMX kernel) is unaffected.
+ */
+#include <cpuid.h>
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { CA_DT_BF16 = 1 };
+enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_BLOCK = -4,
+       CA_ERR_LAYOUT = -5, CA_ERR_NO_AMX = -6 };
+
+#define CA_MAX_D 128 /* head dim, a multiple of 32 (chunk_attention.MAX_HEAD_DIM) */
+#define CA_MAX_G 16  /* query heads per KV head (chunk_attention.MAX_QUERY_HEADS_PER_KV_HEAD) */
+#define CA_TQ 128    /* query tokens per work item, the most (halved for small steps) */
+#define CA_ARCH_REQ_XCOMP_PERM 0x1023
+#define CA_XFEATURE_XTILEDATA 18
+
+#define CA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+
+typedef struct {
+    int64_t size;               /* sizeof(sg_chunk_attention_args) */
+    int32_t dt;                 /* dtype of q, out and the cache: 1 (bfloat16) only */
+    int64_t n;                  /* chunks */
+    int64_t Hq;                 /* query heads; head h*G + g uses KV head h, G = Hq / Hkv <= CA_MAX_G */
+    int64_t Hkv;                /* KV heads */
+    int64_t D;                  /* head dim, a multiple of 32 up to CA_MAX_D */
+    const void *q;              /* (T, >= Hq * D) rows, each contiguous (RoPE applied) */
+    int64_t ldq;                /* row stride of q, elements */
+    void *out;                  /* (T, Hq, D) contiguous */
+    int64_t T;                  /* rows of q and out */
+    const int64_t *starts;      /* (n,) first q/out row of each chunk */
+    const int64_t *qlens;       /* (n,) its query tokens, >= 1; rows starts[i] .. starts[i] + qlens[i] - 1 */
+    const int64_t *priors;      /* (n,) tokens cached before it (its own K/V follow them in the cache) */
+    const int64_t *reqs;        /* (n,) its block-table row */
+    const void *cache;          /* [2, num_blocks, block_size, Hkv, D] contiguous */
+    int64_t num_blocks;         /* blocks of the cache (block 0 is the null block) */
+    int64_t block_size;         /* tokens per block */
+    const int32_t *block_table; /* (B, ld_bt) contiguous block ids */
+    int64_t B;                  /* rows of the block table */
+    int64_t ld_bt;              /* columns of the block table */
+    int64_t seg;                /* tokens per KV segment, >= 1 */
+    float scale;                /* softmax scale */
+} sg_chunk_attention_args;
+
+/* ---- AMX availability ------------------------------------------------------------------------- */
+
+static int ca_amx_state; /* 0 not probed, 1 usable, -1 not */
+
+/* CPUID leaf 7 EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), then Linux's permission for the tile data
+ * state (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction faults). Once per
+ * process; the permission covers every thread. */
+int sg_chunk_attention_amx(void) {
+    if (ca_amx_state == 0) {
+        unsigned int eax, ebx, ecx, edx;
+        int has = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) && (edx >> 24 & 1);
+        ca_amx_state = has && syscall(SYS_arch_prctl, CA_ARCH_REQ_XCOMP_PERM, CA_XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    }
+    return ca_amx_state > 0;
+}
+
+typedef struct ca_tilecfg {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ca_tilecfg;
+
+/* Tiles 0-3: C (float32 16 x 16); 4: A (16 rows x 32 bfloat16); 5-7: B (16 rows x 32 bfloat16). All
+ * 16 rows of 64 bytes. */
+CA_TARGET static void ca_tile_config(void) {
+    ca_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* ---- packing ------------------------------------------------------------------------------------ */
+
+/* Transpose a 16 x 16 matrix of 32-bit lanes in place (r[i] is row i). */
+CA_TARGET static inline void ca_transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+static const uint16_t ca_zero_row[CA_MAX_D];
+
+/* Cache rows (K or V of KV head h) of positions p0 .. p0 + count - 1 of a request; positions >= end
+ * point at a zero row (the padding keys of a segment: their scores are masked, their values 0). */
+static inline void ca_rows(const uint16_t **rows, int count, int64_t p0, int64_t end, const uint16_t *base,
+                           const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+    for (int i = 0; i < count; i++) {
+        int64_t p = p0 + i;
+        rows[i] = p < end ? base + (((int64_t)bt[p / block_size] * block_size + p % block_size) * Hkv + h) * D
+                          : ca_zero_row;
+    }
+}
+
+/* K of positions s0 .. s0 + nk - 1 (nk a multiple of 32; those >= end are zero) as B tiles of S = Q K^T:
+ * tile (key group j of 16, dim step ks of 32) at kp + (j * D/32 + ks) * 512, row r = dims 2r, 2r+1 of
+ * ks's 32, each of the 16 keys' pair in turn: a 16 x 16 transpose of 32-bit pairs. */
+CA_TARGET static void ca_pack_k(uint16_t *kp, int64_t s0, int64_t nk, int64_t end, const uint16_t *kc,
+                                const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+    const int64_t KS = D / 32;
+    const uint16_t *rows[16];
+    for (int64_t j = 0; j < nk / 16; j++) {
+        ca_rows(rows, 16, s0 + 16 * j, end, kc, bt, block_size, Hkv, h, D);
+        for (int64_t ks = 0; ks < KS; ks++) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[i] + 32 * ks));
+            ca_transpose16(r);
+            uint16_t *dst = kp + (j * KS + ks) * 512;
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + 32 * i, _mm512_castps_si512(r[i]));
+        }
+    }
+}
+
+/* V of positions s0 .. s0 + nk - 1 as B tiles of O = P V: tile (key group kk of 32, dim tile dt of 16)
+ * at vp + (kk * D/16 + dt) * 512, row r = keys 2r, 2r+1 interleaved over the tile's 16 dims. */
+CA_TARGET static void ca_pack_v(uint16_t *vp, int64_t s0, int64_t nk, int64_t end, const uint16_t *vc,
+                                const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+    const int64_t DT = D / 16;
+    uint16_t lo_idx[32], hi_idx[32];
+    for (int i = 0; i < 16; i++) {
+        lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i;
+        hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
+    }
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
+    const uint16_t *rows[32];
+    for (int64_t kk = 0; kk < nk / 32; kk++) {
+        ca_rows(rows, 32, s0 + 32 * kk, end, vc, bt, block_size, Hkv, h, D);
+        uint16_t *dst = vp + kk * DT * 512;
+        for (int r = 0; r < 16; r++) {
+            for (int64_t c = 0; c < D / 32; c++) {
+                __m512i a = _mm512_loadu_si512(rows[2 * r] + 32 * c), b = _mm512_loadu_si512(rows[2 * r + 1] + 32 * c);
+                _mm512_storeu_si512(dst + (2 * c) * 512 + 32 * r, _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_storeu_si512(dst + (2 * c + 1) * 512 + 32 * r, _mm512_permutex2var_epi16(a, hi, b));
+            }
+        }
+    }
+}
+
+/* ---- one M tile over one segment ---------------------------------------------------------------- */
+
+/* 2^x for float32 lanes (x <= CA_SLACK here): 2^round(x) * p(x - round(x)), p a degree-4 polynomial
+ * fitted to 2^f on [-1/2, 1/2] (relative error < 3.1e-6, far below bfloat16's 2^-9); very negative x
+ * underflow to 0 in the scaling. */
+CA_TARGET static inline __m512 ca_exp2(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.60040924e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59169775e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40237186e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121985e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Keys per block: the walk goes segment by segment, each in blocks of CA_KB keys that one M tile
+ * takes through scores, softmax and P V while they are in L1 (a block's packed K and V are 16 KiB
+ * each for D = 64). The block only orders the float32 sums (the online softmax is exact for any split). */
+#define CA_KB 128
+/* Row strides of the score and probability buffers, padded past a power of two so the 16 rows of a
+ * tile do not share a handful of L1 sets. */
+#define CA_LDS (CA_KB + 16)
+#define CA_LDP (CA_KB + 32)
+/* The running max before any key: finite, so the first rescale 2^(CA_M0 - m) is 0, not NaN. */
+#define CA_M0 (-1e30f)
+#define CA_SLACK 8.0f /* log2 units (see ca_softmax) */
+
+typedef struct ca_seg {
+    uint16_t *kp, *vp; /* packed K, V of the key block */
+    float *s;          /* [16 x CA_LDS] scores (of one head; the workspace holds G) */
+    uint16_t *p;       /* [16 x CA_LDP] probabilities (likewise) */
+} ca_seg;
+
+/* S = Q K^T for keys 0 .. nk - 1 of the block (nk a multiple of 32) into sg->s. Q is the M tile
+ * [16 x D] (row stride D). For D <= 64 its (one or two) A tiles stay loaded across the keys. */
+CA_TARGET static void ca_scores(const uint16_t *qt, int64_t D, int64_t nk, const ca_seg *sg) {
+    const int64_t KS = D / 32, kstep = KS * 512; /* from one key group's tiles to the next */
+    const int64_t lds = CA_LDS * 4;
+    if (KS <= 2) {
+        _tile_loadd(4, qt, D * 2);
+        if (KS == 2) _tile_loadd(5, qt + 32, D * 2);
+    }
+    for (int64_t j0 = 0; j0 < nk / 16; j0 += 4) {
+        const uint16_t *k0 = sg->kp + j0 * kstep;
+        float *s = sg->s + j0 * 16;
+        const int four = nk / 16 - j0 >= 4; /* else the last 32 keys */
+        _tile_zero(0); _tile_zero(1);
+        if (four) { _tile_zero(2); _tile_zero(3); }
+        if (KS <= 2) {
+            _tile_loadd(6, k0, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, k0 + kstep, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (four) {
+                _tile_loadd(6, k0 + 2 * kstep, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, k0 + 3 * kstep, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+            if (KS == 2) {
+                _tile_loadd(6, k0 + 512, 64);
+                _tile_dpbf16ps(0, 5, 6);
+                _tile_loadd(7, k0 + kstep + 512, 64);
+                _tile_dpbf16ps(1, 5, 7);
+                if (four) {
+                    _tile_loadd(6, k0 + 2 * kstep + 512, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_loadd(7, k0 + 3 * kstep + 512, 64);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+        } else {
+            for (int64_t ks = 0; ks < KS; ks++) {
+                _tile_loadd(4, qt + 32 * ks, D * 2);
+                _tile_loadd(6, k0 + ks * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, k0 + kstep + ks * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                if (four) {
+                    _tile_loadd(5, k0 + 2 * kstep + ks * 512, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(6, k0 + 3 * kstep + ks * 512, 64);
+                    _tile_dpbf16ps(3, 4, 6);
+                }
+            }
+        }
+        _tile_stored(0, s, lds); _tile_stored(1, s + 16, lds);
+        if (four) { _tile_stored(2, s + 32, lds); _tile_stored(3, s + 48, lds); }
+    }
+}
+
+static inline __mmask16 ca_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* 32 probabilities 2^(s * c - m) (lanes at or past n: 0) to bfloat16 at p; returns their float32 sum. */
+CA_TARGET static inline __m512 ca_exp32(const float *s, uint16_t *p, __m512 cv, __m512 mv, int64_t n, __m512 sum) {
+    __m512 e0 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s), cv, mv));
+    __m512 e1 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), cv, mv));
+    if (n < 32) {
+        e0 = _mm512_maskz_mov_ps(ca_lanes(n), e0);
+        e1 = _mm512_maskz_mov_ps(ca_lanes(n - 16), e1);
+    }
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* e0 in the low half */
+    return _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+}
+
+/* Online softmax of the 16 rows: row r sees keys 0 .. vis[r] - 1 (>= 0) of nk. Writes P (bfloat16, 0
+ * past vis) to sg->p, updates m (running max of S * c, c = scale * log2 e; CA_M0 before any key), l
+ * (running sum, of the float32 P) and returns each row's rescale factor of the running output in alpha.
+ * The rows' maxima and sums are reduced together (a 16 x 16 transpose, then lane-wise), not row by row:
+ * sixteen horizontal reductions and scalar exps per block would be a chain of latencies. */
+CA_TARGET static __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg, float *m,
+                                      float *l, float alpha[16]) {
+    const __m512 cv = _mm512_set1_ps(c);
+    __m512 acc[16];
+    int all = 1; /* every row sees all nk keys: no masks, and the 16 rows' maxima as 16 chains at once */
+    for (int r = 0; r < 16; r++) {
+        acc[r] = _mm512_set1_ps(-INFINITY);
+        all &= vis[r] == nk;
+    }
+    if (all) {
+        for (int64_t k = 0; k < nk; k += 16)
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_max_ps(acc[r], _mm512_loadu_ps(sg->s + r * CA_LDS + k));
+    } else {
+        for (int r = 0; r < 16; r++) {
+            const float *s = sg->s + r * CA_LDS;
+            for (int64_t k = 0; k < vis[r]; k += 16)
+                acc[r] = _mm512_mask_max_ps(acc[r], ca_lanes(vis[r] - k), acc[r], _mm512_loadu_ps(s + k));
+        }
+    }
+    ca_transpose16(acc);
+    __m512 mx = acc[0];
+    for (int r = 1; r < 16; r++) mx = _mm512_max_ps(mx, acc[r]);
+    /* The reference max moves only when a score exceeds it by more than CA_SLACK (FlashAttention-3's
+     * conditional rescaling): P <= 2^CA_SLACK then, harmless in float32 and bfloat16, and most blocks
+     * leave the running output as it is (alpha = 1 exactly) instead of rescaling it in memory. */
+    const __m512 m_old = _mm512_loadu_ps(m), seen = _mm512_mul_ps(mx, cv);
+    const __mmask16 moves = _mm512_cmp_ps_mask(seen, _mm512_add_ps(m_old, _mm512_set1_ps(CA_SLACK)), _CMP_GT_OQ);
+    const __m512 m_new = _mm512_mask_mov_ps(m_old, moves, seen);
+    const __m512 a = ca_exp2(_mm512_sub_ps(m_old, m_new)); /* 1 where it stays, 0 from CA_M0 */
+    _mm512_storeu_ps(m, m_new);
+    _mm512_storeu_ps(alpha, a);
+    for (int r = 0; r < 16; r++) {
+        const float *s = sg->s + r * CA_LDS;
+        uint16_t *p = sg->p + r * CA_LDP;
+        const __m512 mv = _mm512_set1_ps(m[r]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = 0; k < nk; k += 32) sum = ca_exp32(s + k, p + k, cv, mv, vis[r] - k, sum);
+        acc[r] = sum;
+    }
+    ca_transpose16(acc);
+    __m512 sum = acc[0];
+    for (int r = 1; r < 16; r++) sum = _mm512_add_ps(sum, acc[r]);
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, sum));
+    return moves;
+}
+
+/* o [16 x D] (float32, row stride D) = o * alpha + P V over keys 0 .. nk - 1; only the rows in
+ * `moves` have alpha != 1. */
+CA_TARGET static void ca_pv(float *o, const float alpha[16], __mmask16 moves, int64_t D, int64_t nk,
+                            const ca_seg *sg) {
+    const int64_t DT = D / 16;
+    for (int r = 0; moves && r < 16; r++) {
+        if (!(moves >> r & 1)) continue;
+        const __m512 av = _mm512_set1_ps(alpha[r]);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), av));
+    }
+    const int64_t ldo = D * 4, ldp = CA_LDP * 2;
+    for (int64_t dt0 = 0; dt0 < DT; dt0 += 4) {
+        const int four = DT - dt0 >= 4; /* else 2 dim tiles: D is a multiple of 32 */
+        float *od = o + dt0 * 16;
+        _tile_loadd(0, od, ldo);
+        _tile_loadd(1, od + 16, ldo);
+        if (four) {
+            _tile_loadd(2, od + 32, ldo);
+            _tile_loadd(3, od + 48, ldo);
+        }
+        for (int64_t kk = 0; kk < nk / 32; kk++) {
+            const uint16_t *v = sg->vp + (kk * DT + dt0) * 512;
+            _tile_loadd(4, sg->p + 32 * kk, ldp);
+            _tile_loadd(6, v, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, v + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (four) {
+                _tile_loadd(5, v + 1024, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(6, v + 1536, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        _tile_stored(0, od, ldo);
+        _tile_stored(1, od + 16, ldo);
+        if (four) {
+            _tile_stored(2, od + 32, ldo);
+            _tile_stored(3, od + 48, ldo);
+        }
+    }
+}
+
+/* Prefetch into L2 the K and V rows of positions p0 .. p1 - 1 (the next key block, read while this
+ * one is computed: the cache is strided by heads and its blocks scattered, beyond the prefetchers). */
+static inline void ca_prefetch(int64_t p0, int64_t p1, const uint16_t *kc, const uint16_t *vc, const int32_t *bt,
+                               int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t off = (((int64_t)bt[p / block_size] * block_size + p % block_size) * Hkv + h) * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            _mm_prefetch((const char *)(kc + off + d), _MM_HINT_T1);
+            _mm_prefetch((const char *)(vc + off + d), _MM_HINT_T1);
+        }
+    }
+}
+
+/* ---- one work item ------------------------------------------------------------------------------ */
+
+typedef struct ca_ws {
+    ca_seg sg;
+    uint16_t *q;    /* [G * TQ/16 M tiles][16][D] the item's queries, zero rows past the chunk */
+    float *o;       /* [M tiles][16][D] running outputs */
+    float *m, *l;   /* [M tiles][16] running max (of S * c) and sum */
+} ca_ws;
+
+/* Chunk i, KV head h, query tokens t0 .. t1 - 1 of the chunk: segment by segment, block by block of
+ * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V. */
+CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t t0, int64_t t1,
+                              int64_t seg, ca_ws *w) {
+    const int64_t D = a->D, G = a->Hq / a->Hkv, Hkv = a->Hkv, bs = a->block_size;
+    const int64_t prior = a->priors[i], row0 = a->starts[i];
+    const int32_t *bt = a->block_table + a->reqs[i] * a->ld_bt;
+    const uint16_t *kc = (const uint16_t *)a->cache;
+    const uint16_t *vc = kc + a->num_blocks * bs * Hkv * D;
+    const int64_t nq = t1 - t0, nqt = (nq + 15) / 16, nm = G * nqt;
+    const float c = a->scale * 1.44269504088896341f;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t qt = 0; qt < nqt; qt++)
+            for (int64_t r = 0; r < 16; r++) {
+                int64_t t = t0 + qt * 16 + r;
+                uint16_t *dst = w->q + ((g * nqt + qt) * 16 + r) * D;
+                if (t < t1) memcpy(dst, (const uint16_t *)a->q + (row0 + t) * a->ldq + (h * G + g) * D, D * 2);
+                else memset(dst, 0, D * 2);
+            }
+    memset(w->o, 0, sizeof(float) * nm * 16 * D);
+    for (int64_t j = 0; j < nm * 16; j++) w->m[j] = CA_M0, w->l[j] = 0.0f;
+    const int64_t end = prior + t1; /* keys the item's last query sees */
+    for (int64_t s0 = 0; s0 < end; s0 += seg) {
+        const int64_t s1 = s0 + seg < end ? s0 + seg : end;
+        for (int64_t b0 = s0; b0 < s1; b0 += CA_KB) {
+            const int64_t b1 = b0 + CA_KB < s1 ? b0 + CA_KB : s1, np = (b1 - b0 + 31) / 32 * 32;
+            ca_pack_k(w->sg.kp, b0, np, b1, kc, bt, bs, Hkv, h, D);
+            ca_pack_v(w->sg.vp, b0, np, b1, vc, bt, bs, Hkv, h, D);
+            ca_prefetch(b1, b1 + CA_KB < end ? b1 + CA_KB : end, kc, vc, bt, bs, Hkv, h, D);
+            for (int64_t qt = 0; qt < nqt; qt++) {
+                const int64_t first = prior + t0 + qt * 16; /* position of the tile's row 0 */
+                const int64_t last = prior + t0 + (qt * 16 + 15 < nq ? qt * 16 + 15 : nq - 1);
+                if (last < b0) continue; /* the tile sees nothing of this block (causal) */
+                const int64_t nvalid = (b1 < last + 1 ? b1 : last + 1) - b0, nk = (nvalid + 31) / 32 * 32;
+                int64_t vis[16];
+                for (int r = 0; r < 16; r++) {
+                    int64_t v = first + r - b0 + 1;
+                    vis[r] = v < 0 ? 0 : v > nvalid ? nvalid : v;
+                }
+                /* Every head's scores, then every head's probabilities, then every head's P V: each
+                 * buffer is read long after it was written, by vector loads after tile stores (S) and by
+                 * tile loads after vector stores (P), which do not forward from the store buffer. */
+                float alpha[CA_MAX_G][16];
+                __mmask16 moves[CA_MAX_G];
+                ca_seg sg = w->sg;
+                for (int64_t g = 0; g < G; g++) {
+                    sg.s = w->sg.s + g * 16 * CA_LDS;
+                    ca_scores(w->q + (g * nqt + qt) * 16 * D, D, nk, &sg);
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t mt = g * nqt + qt;
+                    sg.s = w->sg.s + g * 16 * CA_LDS;
+                    sg.p = w->sg.p + g * 16 * CA_LDP;
+                    moves[g] = ca_softmax(vis, nk, c, &sg, w->m + mt * 16, w->l + mt * 16, alpha[g]);
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    sg.p = w->sg.p + g * 16 * CA_LDP;
+                    ca_pv(w->o + (g * nqt + qt) * 16 * D, alpha[g], moves[g], D, nk, &sg);
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t qt = 0; qt < nqt; qt++)
+            for (int64_t r = 0; r < 16 && t0 + qt * 16 + r < t1; r++) {
+                const int64_t mt = g * nqt + qt, t = t0 + qt * 16 + r;
+                const float inv = 1.0f / w->l[mt * 16 + r];
+                const float *o = w->o + (mt * 16 + r) * D;
+                uint16_t *dst = (uint16_t *)a->out + ((row0 + t) * a->Hq + h * G + g) * D;
+                for (int64_t d = 0; d < D; d += 32) {
+                    __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv));
+                    __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(o + d + 16), _mm512_set1_ps(inv));
+                    _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+}
+
+/* ---- entry point -------------------------------------------------------------------------------- */
+
+/* Whether everything a chunk reads lies inside the tensors: its rows (< T), its block-table row (< B),
+ * prior + qlen (<= ld_bt * block_size) and every block id it walks (1 .. num_blocks - 1). */
+static int ca_check(const sg_chunk_attention_args *a) {
+    for (int64_t i = 0; i < a->n; i++) {
+        int64_t end = a->priors[i] + a->qlens[i];
+        if (a->qlens[i] < 1 || a->priors[i] < 0 || end > a->ld_bt * a->block_size) return CA_ERR_SHAPE;
+        if (a->starts[i] < 0 || a->starts[i] + a->qlens[i] > a->T || a->reqs[i] < 0 || a->reqs[i] >= a->B)
+            return CA_ERR_ROW;
+        const int32_t *bt = a->block_table + a->reqs[i] * a->ld_bt;
+        for (int64_t b = 0; b < (end + a->block_size - 1) / a->block_size; b++)
+            if (bt[b] < 1 || bt[b] >= a->num_blocks) return CA_ERR_BLOCK;
+    }
+    return CA_OK;
+}
+
+CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
+    const int64_t n = a->n, Hkv = a->Hkv, D = a->D, G = a->Hq / a->Hkv;
+    int64_t seg = a->seg, longest = 0, threads = omp_get_max_threads(), tq = CA_TQ;
+    for (int64_t i = 0; i < n; i++)
+        if (a->priors[i] + a->qlens[i] > longest) longest = a->priors[i] + a->qlens[i];
+    if (seg > longest) seg = longest; /* bounds the buffers */
+    /* Items per chunk and KV head: cdiv(qlen, tq); smaller query tiles when there are few. */
+    int64_t items = 0;
+    for (;;) {
+        items = 0;
+        for (int64_t i = 0; i < n; i++) items += (a->qlens[i] + tq - 1) / tq * Hkv;
+        if (tq <= 16 || items >= 4 * threads) break;
+        tq /= 2;
+    }
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (n + 1)); /* first item of chunk i */
+    if (!first) return CA_ERR_NOMEM;
+    first[0] = 0;
+    for (int64_t i = 0; i < n; i++) first[i + 1] = first[i] + (a->qlens[i] + tq - 1) / tq * Hkv;
+    const int64_t nm = G * (tq / 16);
+    int failed = 0;
+#pragma omp parallel
+    {
+        ca_ws w;
+        w.sg.kp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
+        w.sg.vp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
+        w.sg.s = (float *)aligned_alloc(64, G * 16 * CA_LDS * 4); /* one per head of the group */
+        w.sg.p = (uint16_t *)aligned_alloc(64, G * 16 * CA_LDP * 2); /* one per head of the group */
+        w.q = (uint16_t *)aligned_alloc(64, nm * 16 * D * 2);
+        w.o = (float *)aligned_alloc(64, nm * 16 * D * 4);
+        w.m = (float *)malloc(nm * 16 * 4);
+        w.l = (float *)malloc(nm * 16 * 4);
+        int ok = w.sg.kp && w.sg.vp && w.sg.s && w.sg.p && w.q && w.o && w.m && w.l;
+        if (!ok) failed = 1;
+        else ca_tile_config();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!ok) continue;
+            int64_t lo = 0, hi = n - 1; /* chunk i with first[i] <= it < first[i + 1] */
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (first[mid] <= it) lo = mid;
+                else hi = mid - 1;
+            }
+            const int64_t i = lo, local = it - first[i], tiles = (first[i + 1] - first[i]) / Hkv;
+            const int64_t qt = tiles - 1 - local / Hkv, h = local % Hkv; /* last query tiles first */
+            const int64_t t0 = qt * tq, t1 = t0 + tq < a->qlens[i] ? t0 + tq : a->qlens[i];
+            ca_item(a, i, h, t0, t1, seg, &w);
+        }
+        if (ok) _tile_release();
+        free(w.sg.kp); free(w.sg.vp); free(w.sg.s); free(w.sg.p);
+        free(w.q); free(w.o); free(w.m); free(w.l);
+    }
+    free(first);
+    return failed ? CA_ERR_NOMEM : CA_OK;
+}
+
+/* Attention of n chunks to their cached tokens, read in place through the block table: chunk i's
+ * queries are q rows starts[i] .. starts[i] + qlens[i] - 1 at positions priors[i] .. priors[i] + qlens[i]
+ * - 1; each sees the keys at positions up to its own (its chunk's K/V already written to the cache).
+ * Writes those rows of out (other rows untouched). Everything read is checked first (ca_check).
+ * Returns CA_OK, CA_ERR_LAYOUT, CA_ERR_SHAPE, CA_ERR_ROW, CA_ERR_BLOCK, CA_ERR_NO_AMX or CA_ERR_NOMEM. */
+int sg_chunk_attention(const sg_chunk_attention_args *a) {
+    if (a->size != (int64_t)sizeof *a) return CA_ERR_LAYOUT;
+    if (a->dt != CA_DT_BF16 || a->Hkv < 1 || a->D % 32 || a->D < 32 || a->D > CA_MAX_D || a->Hq % a->Hkv ||
+        a->Hq / a->Hkv > CA_MAX_G || a->seg < 1 || a->n < 0)
+        return CA_ERR_SHAPE;
+    if (!sg_chunk_attention_amx()) return CA_ERR_NO_AMX;
+    int rc = ca_check(a);
+    return rc != CA_OK || a->n == 0 ? rc : ca_run(a);
+}

@@ -1,0 +1,142 @@
+"""The compiled AMX chunk attention (``segserve.kernels.chunk_attention``) against SDPA in float32 on the
+same bfloat16 inputs, and the segmented backend using it against its SDPA path.
+
+Tolerance: the kernel rounds P to bfloat16 for the P V product and its output to bfloat16, so on
+unit-normal q, K, V (outputs of magnitude up to ~1) the error is bfloat16 rounding: the output's own
+rounding is up to 2^-9 relative (~4e-3 at 1), P's adds a few 1e-3. Observed max |err| over these cases:
+7.8e-3 (mean 4e-4); bound 2e-2, as for PyTorch's own bfloat16 SDPA on the same inputs (observed 7.8e-3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import make_case, sdpa_oracle
+
+from segserve.attention.kv_store import write_kv
+from segserve.attention.segmented import SegmentedAttentionBackend
+from segserve.kernels import chunk_attention as ca
+from segserve.kernels import cpu as cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not ca.available(),
+    reason=f"AMX chunk attention unavailable: {cpu_kernels.unavailable_reason() or 'no AMX on this CPU'}",
+)
+MAX_ABS_ERR = 2e-2
+MEAN_ABS_ERR = 2e-3
+
+
+def _tensors(case):
+    """The chunk arrays of every request of the case (all taken as chunks, whatever their length)."""
+    md = case.metadata
+    qsl = md.query_start_loc_cpu
+    starts = torch.tensor(qsl[:-1], dtype=torch.int64)
+    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(md.num_reqs)], dtype=torch.int64)
+    priors = torch.tensor(md.prior_tokens_cpu, dtype=torch.int64)
+    return starts, lens, priors, torch.arange(md.num_reqs, dtype=torch.int64)
+
+
+def _run_kernel(case, seg: int | None = None) -> torch.Tensor:
+    md = case.metadata
+    write_kv(case.cache, case.k, case.v, md.slot_mapping)
+    out = torch.zeros_like(case.q)
+    ca.chunk_attention(case.q, out, case.cache, md.block_table, *_tensors(case), seg or md.kv_segment_size,
+                       case.scale)
+    return out
+
+
+def _check(query_lens, priors, *, block_size=16, seg=512, heads=(9, 3), head_dim=64, seed=0):
+    case = make_case(query_lens, priors, block_size=block_size, seg=seg, heads=heads, head_dim=head_dim,
+                     dtype=torch.bfloat16, seed=seed)
+    expect = sdpa_oracle(case, case.cache.clone())
+    got = _run_kernel(case).float()
+    err = (got - expect).abs()
+    assert err.max() <= MAX_ABS_ERR, (err.max().item(), query_lens, priors)
+    assert err.mean() <= MEAN_ABS_ERR, (err.mean().item(), query_lens, priors)
+    return err
+
+
+@pytest.mark.parametrize("qlen", [1, 15, 16, 17, 512])
+@pytest.mark.parametrize("prior", [0, 37, 1536])
+def test_one_chunk_matches_float32_sdpa(qlen: int, prior: int) -> None:
+    """Prior 0, one not a multiple of the block size, one spanning three 512-token segments."""
+    _check([qlen], [prior])
+
+
+def test_several_chunks_in_one_call() -> None:
+    _check([17, 64, 1, 100], [1000, 0, 5, 513], seg=512)
+
+
+def test_prior_over_several_segments_with_a_partial_last_one_and_small_blocks() -> None:
+    _check([33], [1300], block_size=4, seg=512)
+    _check([48], [2100], block_size=32, seg=1024)
+
+
+@pytest.mark.parametrize(("heads", "head_dim"), [((4, 4), 64), ((8, 2), 128), ((6, 2), 32), ((16, 1), 96)])
+def test_other_head_shapes(heads: tuple[int, int], head_dim: int) -> None:
+    _check([40, 7], [70, 300], heads=heads, head_dim=head_dim)
+
+
+def test_scores_growing_along_the_walk_move_the_running_max() -> None:
+    """Keys 6x larger in the prior's second half: later blocks' scores exceed the running max by far
+    more than the kernel's rescaling slack (2^8), so the running output is rescaled, not overflowed."""
+    case = make_case([40], [1000], block_size=16, seg=512, dtype=torch.bfloat16, seed=5)
+    row = case.metadata.block_table[0].tolist()
+    for b in row[500 // 16 : 1000 // 16]:
+        case.cache[0, b] *= 6
+    expect = sdpa_oracle(case, case.cache.clone())
+    got = _run_kernel(case).float()
+    assert (got - expect).abs().max() <= MAX_ABS_ERR
+
+
+def test_segment_size_changes_only_rounding() -> None:
+    case = make_case([200], [1100], block_size=16, seg=512, dtype=torch.bfloat16, seed=4)
+    a = _run_kernel(case, seg=512).float()
+    b = _run_kernel(case, seg=64).float()
+    assert (a - b).abs().max() <= 1.6e-2
+
+
+def test_rows_of_other_requests_are_untouched() -> None:
+    case = make_case([20, 30], [10, 40], block_size=16, seg=512, dtype=torch.bfloat16)
+    md = case.metadata
+    write_kv(case.cache, case.k, case.v, md.slot_mapping)
+    out = torch.full_like(case.q, 7.0)
+    starts, lens, priors, reqs = (t[1:] for t in _tensors(case))
+    ca.chunk_attention(case.q, out, case.cache, md.block_table, starts, lens, priors, reqs, 512, case.scale)
+    assert torch.all(out[:20] == 7.0)
+    assert not torch.any(out[20:50] == 7.0)
+
+
+def test_backend_uses_it_and_matches_its_sdpa_path() -> None:
+    """The segmented backend with kernels on (chunks through the C kernel, decodes through the decode
+    kernel) against the same backend with kernels off (SDPA), on a mixed step."""
+    case = make_case([300, 1, 45, 1], [700, 90, 0, 2000], block_size=16, seg=512, dtype=torch.bfloat16, pad=3)
+    md = case.metadata
+    fast = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), md, case.scale)
+    with cpu_kernels.disabled():
+        slow = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), md, case.scale)
+    assert (fast.float() - slow.float()).abs().max() <= MAX_ABS_ERR
+    assert torch.all(fast[-3:] == 0)  # padding rows
+
+
+def test_bad_input_is_refused_with_the_limit_named() -> None:
+    case = make_case([20], [10], block_size=16, seg=512, dtype=torch.bfloat16)
+    md = case.metadata
+    out = torch.zeros_like(case.q)
+    args = _tensors(case)
+    with pytest.raises(ValueError, match="D % 32 == 0"):
+        ca.chunk_attention(case.q.float(), out, case.cache, md.block_table, *args, 512, case.scale)
+    with pytest.raises(ValueError, match="int64"):
+        ca.chunk_attention(case.q, out, case.cache, md.block_table, args[0].int(), *args[1:], 512, case.scale)
+    long = (args[0], args[1], torch.tensor([md.block_table.shape[1] * 16]), args[3])
+    with pytest.raises(ValueError, match="past the block table's"):
+        ca.chunk_attention(case.q, out, case.cache, md.block_table, *long, 512, case.scale)
+    rows = (torch.tensor([5]), *args[1:])
+    with pytest.raises(ValueError, match=r"outside \[0, 20\)"):
+        ca.chunk_attention(case.q, out, case.cache, md.block_table, *rows, 512, case.scale)
+    table = md.block_table.clone()
+    table[0, 0] = case.cache.shape[1]
+    with pytest.raises(ValueError, match="block id outside"):
+        ca.chunk_attention(case.q, out, case.cache, table, *args, 512, case.scale)
+    assert torch.count_nonzero(out) == 0
+    assert not ca.supports(case.q.float(), case.cache.float())
