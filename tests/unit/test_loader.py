@@ -1,7 +1,8 @@
 """Loader and model against transformers on tiny random checkpoints (safetensors directory and GGUF).
 
 Tolerances: logits vs transformers within 1e-4 max abs (float32; logits here reach ~5-10); chunked vs
-one-shot within 1e-5 (same kernels, different cache reads).
+one-shot within 3e-5: a chunk of up to 8 rows runs the compiled small-row layers and a longer one the
+chunk path (GEMMs and row passes), which sum in other orders (observed up to 1.1e-5 on logits of ~5).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ PROMPT = [5, 77, 123, 9, 250, 31, 44, 199, 3, 17, 88, 140, 61, 20, 7, 290, 101, 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 TOL = 1e-4
+CHUNK_TOL = 3e-5
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def test_chunked_prefill_equals_one_shot(llama_dir, llama_model, backend, chunks
     model = llama_model(backend)
     full = run_chunked(model, PROMPT, [len(PROMPT)], block_size=4, kv_segment_size=8)
     chunked = run_chunked(model, PROMPT, chunks, block_size=4, kv_segment_size=8, seed=1)
-    assert (chunked - full).abs().max().item() < 1e-5
+    assert (chunked - full).abs().max().item() < CHUNK_TOL
     assert (full - hf_logits(hf, PROMPT)).abs().max().item() < TOL
 
 
@@ -121,8 +123,8 @@ def test_two_requests_in_one_step_match_each_alone(llama_model):
     md = build_attention_metadata([6, 5], [0, 9], [rows_a, rows_b], bs, 8, 8)
     positions = torch.cat([torch.arange(6), torch.arange(9, 14)])
     logits = step.compute_logits(step.forward(torch.tensor(a + b[9:]), positions, caches, md))
-    assert (logits[:6] - run_chunked(model, a, [6])).abs().max().item() < 1e-5
-    assert (logits[6:] - run_chunked(model, b, [14])[9:]).abs().max().item() < 1e-5
+    assert (logits[:6] - run_chunked(model, a, [6])).abs().max().item() < CHUNK_TOL
+    assert (logits[6:] - run_chunked(model, b, [14])[9:]).abs().max().item() < CHUNK_TOL
 
 
 def test_bfloat16_close_to_float32(llama_dir, llama_model):
