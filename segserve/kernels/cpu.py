@@ -114,9 +114,19 @@ class _DecodeStackArgs(ctypes.Structure):
     ]
 
 
+@_sized
+class _RowsArgs(ctypes.Structure):
+    """``sg_rows_args``."""
+
+    _fields_ = [
+        ("size", _L), ("dt", _I), ("op", _I), ("M", _L), ("K", _L), ("h", _P), ("ldh", _L), ("add", _P),
+        ("ldadd", _L), ("norm_w", _P), ("eps", _F), ("out", _P), ("ldout", _L),
+    ]
+
+
 _ARGS = {
     "sg_linear": _LinearArgs, "sg_rope": _RopeArgs, "sg_write_kv": _WriteKVArgs,
-    "sg_decode_attention": _DecodeAttentionArgs, "sg_decode_stack": _DecodeStackArgs,
+    "sg_decode_attention": _DecodeAttentionArgs, "sg_decode_stack": _DecodeStackArgs, "sg_rows": _RowsArgs,
 }
 _ERRORS = {-1: "unsupported shape", -2: "out of memory", -3: "row index outside the batch",
            -4: "block id outside the cache",
@@ -305,6 +315,86 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
         cos=cos.data_ptr(), ssin=sin.data_ptr(),
     ))
     _check(rc, "sg_rope")
+
+
+def _rows_operand(t: torch.Tensor, name: str, rows: int, width: int, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.dim() != 2 or t.shape[0] != rows or t.shape[1] < width or t.stride(1) != 1:
+        raise ValueError(
+            f"{name} must be ({rows}, >= {width}) {dtype} with contiguous rows, got {tuple(t.shape)} "
+            f"{t.dtype} strides {t.stride()}"
+        )
+    _on_cpu(**{name: t})
+
+
+def add_rmsnorm_(
+    h: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``h += add`` (in place, rounded to h's dtype) then ``out = RMSNorm(h) * weight``, one pass per row.
+
+    What the eager ``h.add_(add)`` then ``RMSNorm`` compute, rounded at the same points (the norm's sum
+    in another order): the residual add of a layer fused with the next norm, for prefill chunks.
+
+    Args:
+        h: ``(M, K)`` float32 or bfloat16, rows contiguous, K a multiple of 16.
+        weight: ``(K,)`` the norm's weight, same dtype.
+        eps: the norm's epsilon.
+        add: ``(M, K)`` same dtype, or None (no add).
+        out: ``(M, K)`` result buffer, or None (a new tensor).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: on other dtypes, shapes or strides, or ``out`` overlapping ``h`` or ``add``.
+    """
+    dt = _dtype_code(h, "h")
+    m, k = h.shape if h.dim() == 2 else (0, 0)
+    if m < 1 or k < 16 or k % 16:
+        raise ValueError(f"h must be (M >= 1, K) with K a positive multiple of 16, got {tuple(h.shape)}")
+    _rows_operand(h, "h", m, k, h.dtype)
+    if weight.dtype != h.dtype or weight.shape != (k,) or not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be contiguous ({k},) {h.dtype}, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    _on_cpu(weight=weight)
+    if add is not None:
+        _rows_operand(add, "add", m, k, h.dtype)
+    out = torch.empty(m, k, dtype=h.dtype) if out is None else out
+    _rows_operand(out, "out", m, k, h.dtype)
+    if _overlap(out, h) or (add is not None and _overlap(out, add)):
+        raise ValueError("out must not overlap h or add")
+    rc = _library().sg_rows(_RowsArgs(
+        size=_RowsArgs.SIZE, dt=dt, op=1, M=m, K=k, h=h.data_ptr(), ldh=h.stride(0),
+        add=None if add is None else add.data_ptr(), ldadd=0 if add is None else add.stride(0),
+        norm_w=weight.data_ptr(), eps=eps, out=out.data_ptr(), ldout=out.stride(0),
+    ))
+    _check(rc, "sg_rows")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``(M, 2I)`` = ``[gate | up]`` -> ``(M, I)``, rounded as the eager
+    ``F.silu(gate).mul_(up)`` rounds (SiLU within ~1 ulp: a polynomial exp), one pass per row.
+
+    Raises:
+        ValueError: on other dtypes, an odd or non-multiple-of-32 width, strides, or an overlapping ``out``.
+    """
+    dt = _dtype_code(gate_up, "gate_up")
+    if gate_up.dim() != 2 or gate_up.shape[0] < 1 or gate_up.shape[1] % 32:
+        raise ValueError(f"gate_up must be (M >= 1, 2I) with 2I a multiple of 32, got {tuple(gate_up.shape)}")
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    _rows_operand(gate_up, "gate_up", m, 2 * i, gate_up.dtype)
+    out = torch.empty(m, i, dtype=gate_up.dtype) if out is None else out
+    _rows_operand(out, "out", m, i, gate_up.dtype)
+    if _overlap(out, gate_up):
+        raise ValueError("out must not overlap gate_up")
+    rc = _library().sg_rows(_RowsArgs(
+        size=_RowsArgs.SIZE, dt=dt, op=2, M=m, K=i, h=gate_up.data_ptr(), ldh=gate_up.stride(0), add=None,
+        ldadd=0, norm_w=None, eps=0.0, out=out.data_ptr(), ldout=out.stride(0),
+    ))
+    _check(rc, "sg_rows")
+    return out
 
 
 def _head_dim_fits(d: int) -> bool:

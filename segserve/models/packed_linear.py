@@ -23,7 +23,7 @@ tests/unit/test_packed_linear.py and by the float32 parity suite against ``trans
 
 On a CPU with AMX (Intel Sapphire Rapids and later) ``CpuStep.prepack`` packs the bfloat16 projections
 for the AMX GEMM (``segserve.kernels.amx``) *instead of* for oneDNN: ``CpuStep`` runs every bfloat16 step
-of 9 rows or more on it (``forward_amx``) and up to 8 rows the compiled small-batch linears read the
+of 9 rows or more on it (``forward_chunk``) and up to 8 rows the compiled small-batch linears read the
 plain weight, so a oneDNN copy would never be read and one packed copy does (~212 MB for SmolLM2-135M's
 projections; the LM head keeps its oneDNN copy). That holds because the AMX GEMM is as fast as oneDNN's
 packed one or faster from 9 rows up (equal within noise on gate/up from 256 rows):

@@ -25,6 +25,7 @@ MIRRORS = {
     "sg_decode_attention_args": cpu_kernels._DecodeAttentionArgs,
     "sg_layer": cpu_kernels._Layer,
     "sg_decode_stack_args": cpu_kernels._DecodeStackArgs,
+    "sg_rows_args": cpu_kernels._RowsArgs,
     "sg_amx_probe_args": amx._ProbeArgs,
     "sg_amx_pack_args": amx._PackArgs,
     "sg_amx_linear_args": amx._LinearArgs,

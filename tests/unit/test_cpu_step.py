@@ -40,9 +40,10 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts of the kernel calls a step makes, by name."""
-    counts = {"stack": 0, "linear": 0, "rope_": 0}
+    counts = {"stack": 0, "linear": 0, "rope_": 0, "rows": 0}
     for owner, name, key in ((cpu_kernels.DecodeStack, "run", "stack"), (cpu_kernels, "linear", "linear"),
-                             (cpu_kernels, "rope_", "rope_")):
+                             (cpu_kernels, "rope_", "rope_"), (cpu_kernels, "add_rmsnorm_", "rows"),
+                             (cpu_kernels, "silu_mul", "rows")):
         real = getattr(owner, name)
 
         def spy(*a, real=real, key=key, **kw):
@@ -87,10 +88,12 @@ def _step(
 @pytest.mark.parametrize(
     "query_lens, kernels, expected",
     [
-        ([1, 1, 1], True, {"stack": 1, "linear": 0, "rope_": 0}),  # decodes: one call for all layers
-        ([1, 4], True, {"stack": 0, "linear": 8, "rope_": 2}),  # 5 rows: 4 linears + a rope_ per layer
-        ([1, 8, 3], True, {"stack": 0, "linear": 0, "rope_": 2}),  # 12 rows: oneDNN GEMMs, rope_ in C
-        ([1, 1, 1], False, {"stack": 0, "linear": 0, "rope_": 0}),  # kernels off: the eager model
+        ([1, 1, 1], True, {"stack": 1, "linear": 0, "rope_": 0, "rows": 0}),  # decodes: one call in all
+        ([1, 4], True, {"stack": 0, "linear": 8, "rope_": 2, "rows": 0}),  # 5 rows: 4 linears + a rope_ each
+        # 12 rows: oneDNN GEMMs; per layer rope_ and 3 row passes (add+norm twice, SiLU gate), + the first
+        # layer's norm alone (the last layer's second add+norm is the final norm).
+        ([1, 8, 3], True, {"stack": 0, "linear": 0, "rope_": 2, "rows": 7}),
+        ([1, 1, 1], False, {"stack": 0, "linear": 0, "rope_": 0, "rows": 0}),  # kernels off: the eager model
     ],
     ids=["decode-stack", "small", "large", "eager"],
 )
@@ -105,7 +108,7 @@ def test_reference_backend_decodes_take_the_per_layer_path(tiny_dir, calls) -> N
     # The one-call step computes the segmented backend's attention itself: not over another backend.
     model = load_model(tiny_dir, dtype=torch.float32, attn_backend="reference").model
     got, want = _step(model, [1, 1, 1], True)
-    assert calls == {"stack": 0, "linear": 8, "rope_": 2}
+    assert calls == {"stack": 0, "linear": 8, "rope_": 2, "rows": 0}
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -154,8 +157,9 @@ def test_large_bf16_steps_take_the_amx_gemm_and_equal_eager(
     model = load_model(tiny_dir, dtype=dtype).model
     got, want = _step(model, query_lens, True, prepack=True)
     assert amx_calls["amx"] == expected
-    if expected:
-        assert calls["linear"] == 0 and calls["rope_"] == 2  # RoPE in C inside the backend's attend
+    if expected:  # per layer rope_ and 2 add+norm passes, + the first norm and the final one; the SiLU
+        # gate is fused into the gate/up GEMM, so no silu_mul pass
+        assert calls["linear"] == 0 and calls["rope_"] == 2 and calls["rows"] == 5
     # bfloat16: the eager GEMM (oneDNN) and the AMX one may round a product to neighbouring bf16 values.
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 0}
     torch.testing.assert_close(got, want, **tol)

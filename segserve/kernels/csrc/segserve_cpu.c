@@ -9,6 +9,7 @@
  *   sg_write_kv          K/V rows into their cache slots.
  *   sg_decode_attention  decode attention through the block table, split-KV with a log-sum-exp merge.
  *   sg_decode_stack      all layers of a decode-only step in one call.
+ *   sg_rows              the elementwise work between a chunk's GEMMs: residual add + RMSNorm, SiLU gate.
  *
  * Calling convention: each entry point takes one pointer to its sg_*_args struct of named fields
  * (mirrored field for field by a ctypes.Structure in segserve/kernels/cpu.py), never a list of
@@ -44,7 +45,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define NT 4 /* rows of W per register tile */
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 3; }
+int sg_abi_version(void) { return 4; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -216,6 +217,55 @@ static void prologue_row(int dt, int prologue, int64_t K, const void *x, int64_t
             store16(xin, out + k, round16(_mm512_mul_ps(sg, load16(x, base + K + k, dt)), dt), dt);
         }
     }
+}
+
+enum { ROWS_RMSNORM = 1, ROWS_SILU_MUL = 2 };
+
+typedef struct {
+    int64_t size;       /* sizeof(sg_rows_args) */
+    int32_t dt;         /* dtype of every tensor */
+    int32_t op;         /* ROWS_RMSNORM: [h += add;] out = rmsnorm(h); ROWS_SILU_MUL: out = silu(gate) * up */
+    int64_t M;          /* rows, >= 1 */
+    int64_t K;          /* values per output row, a multiple of 16 */
+    void *h;            /* (M, K) for ROWS_RMSNORM (updated in place when add is set); (M, 2K) [gate | up] */
+    int64_t ldh;        /* row stride of h, elements */
+    const void *add;    /* (M, K) residual branch added into h first, or NULL; ROWS_RMSNORM only */
+    int64_t ldadd;      /* row stride of add, elements */
+    const void *norm_w; /* (K,) RMSNorm weight; ROWS_RMSNORM only */
+    float eps;          /* RMSNorm epsilon */
+    void *out;          /* (M, K) result rows */
+    int64_t ldout;      /* row stride of out, elements */
+} sg_rows_args;
+
+/* The elementwise ops between a prefill chunk's GEMMs, one pass per row over OpenMP threads where the
+ * eager model runs ~5 ops of its own (add_, pow, mean, rsqrt, mul, to, mul; or silu, mul_), each a full
+ * pass over the (M, K) activations: ROWS_RMSNORM is ``h.add_(add)`` (rounded to dt, as eager) then the
+ * model's RMSNorm of h; ROWS_SILU_MUL the MLP's SiLU gate. Both round where the eager model rounds (the
+ * prologues of sg_linear), so results equal eager's within the norm's summation order.
+ * Returns OK, ERR_LAYOUT or ERR_SHAPE. */
+int sg_rows(const sg_rows_args *a) {
+    if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
+    const int dt = a->dt, op = a->op;
+    const int64_t M = a->M, K = a->K, ldh = a->ldh, ldadd = a->ldadd, ldout = a->ldout;
+    char *h = a->h, *out = a->out;
+    const char *add = a->add;
+    const void *norm_w = a->norm_w;
+    const float eps = a->eps;
+    if (M < 1 || K < 16 || K % 16 || (op != ROWS_RMSNORM && op != ROWS_SILU_MUL)) return ERR_SHAPE;
+    if (op == ROWS_SILU_MUL && add) return ERR_SHAPE;
+    const size_t es = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (M * K >= 16384)
+    for (int64_t m = 0; m < M; m++) {
+        char *hr = h + (size_t)m * ldh * es;
+        if (add) {
+            const char *ar = add + (size_t)m * ldadd * es;
+            for (int64_t k = 0; k < K; k += 16)
+                store16(hr, k, round16(_mm512_add_ps(load16(hr, k, dt), load16(ar, k, dt)), dt), dt);
+        }
+        prologue_row(dt, op == ROWS_RMSNORM ? PRO_RMSNORM : PRO_SILU_MUL, K, hr, 0, 0, norm_w, eps,
+                     out + (size_t)m * ldout * es);
+    }
+    return OK;
 }
 
 typedef struct {

@@ -1,0 +1,135 @@
+"""Offline driver of ``benchmarks/vs_vllm.py``: one engine, one dtype, several workloads, one process.
+
+Run by ``vs_vllm.py`` (never by hand, though it works): with the vLLM virtualenv's interpreter for
+``--engine vllm`` (it imports ``vllm`` only) and with segserve's interpreter for ``--engine segserve``
+(it imports ``segserve`` only), so neither engine's packages touch the other's and each process has
+both cores to itself. It imports nothing from this repository besides the engine, so the vLLM venv
+needs no segserve.
+
+Input (``--spec``, JSON): ``{"model": HF dir, "dtype": ..., "engine_kwargs": {...}, "warmup": ids,
+"workloads": {name: {"kind": "prefill" | "batch" | "decode", ...}}}`` where every prompt is a list of
+token ids. Output (``--out``, JSON): ``{name: result}``, rewritten after each workload, plus
+``_engine`` (version and the configuration the engine reports). Every request is greedy with
+``ignore_eos``, so both engines compute exactly the tokens asked for.
+
+- ``prefill``: ``{"prompts": {label: [ids of each repeat]}}``: each prompt alone with ``max_tokens=1``;
+  the wall time of ``generate`` is the offline time to first token; tok/s = prompt tokens / median time.
+- ``batch``: ``{"prompts": [ids...], "output_len": n}``: all at once; output and total tok/s.
+- ``decode``: ``{"sets": [batch of ids, ...], "output_len": n}``: a warm-up batch, then per repeat a
+  batch with ``max_tokens=1`` and another with ``max_tokens=n``; decode tok/s = batch x (n - 1) /
+  (t_n - t_1): the tokens a user receives per second after the first, end to end (scheduling,
+  sampling, detokenizing included).
+
+Prompts are never reused within a run (the prefix cache of either engine would skip their prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def make_engine(engine: str, spec: dict) -> tuple[Any, Any, dict]:
+    """(LLM, SamplingParams class, description) of ``engine`` on ``spec['model']``."""
+    kwargs = dict(spec.get("engine_kwargs") or {})
+    if engine == "vllm":
+        import vllm
+
+        llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], **kwargs)
+        cfg = llm.llm_engine.vllm_config
+        sched = cfg.scheduler_config
+        info = {"version": vllm.__version__, "max_num_batched_tokens": sched.max_num_batched_tokens,
+                "max_num_seqs": sched.max_num_seqs, "enable_chunked_prefill": sched.enable_chunked_prefill,
+                "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+                "block_size": cfg.cache_config.block_size, "kwargs": kwargs}
+        return llm, vllm.SamplingParams, info
+    import segserve
+
+    llm = segserve.LLM(model=spec["model"], dtype=spec["dtype"], **kwargs)
+    describe = llm.llm_engine.describe()
+    return llm, segserve.SamplingParams, {"version": getattr(segserve, "__version__", None),
+                                          "describe": describe, "kwargs": kwargs}
+
+
+def timed(llm: Any, sp_cls: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    """Seconds of one ``generate`` call over ``prompts`` (greedy, ``ignore_eos``), and its outputs."""
+    params = sp_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": list(p)} for p in prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return time.perf_counter() - t0, outs
+
+
+def output_tokens(outs: list) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def run_prefill(llm: Any, sp_cls: Any, w: dict) -> dict:
+    out = {}
+    for label, per_repeat in w["prompts"].items():
+        times = [timed(llm, sp_cls, [ids], 1)[0] for ids in per_repeat]
+        t = statistics.median(times)
+        n = len(per_repeat[0])
+        out[label] = {"prompt_tokens": n, "seconds": times, "tok_s": n / t}
+    return out
+
+
+def run_batch(llm: Any, sp_cls: Any, w: dict) -> dict:
+    seconds, outs = timed(llm, sp_cls, w["prompts"], w["output_len"])
+    prompt_tokens = sum(len(p) for p in w["prompts"])
+    gen = output_tokens(outs)
+    return {"requests": len(outs), "prompt_tokens": prompt_tokens, "output_tokens": gen, "seconds": seconds,
+            "output_tok_s": gen / seconds, "total_tok_s": (prompt_tokens + gen) / seconds,
+            "first_tokens": list(outs[0].outputs[0].token_ids[:16])}
+
+
+def run_decode(llm: Any, sp_cls: Any, w: dict) -> dict:
+    """``sets[0]`` warms the batch shape up; then per repeat one set with ``max_tokens=1`` and
+    another with ``max_tokens=n``: distinct prompts, so neither call hits the prefix cache."""
+    n, sets = w["output_len"], w["sets"]
+    timed(llm, sp_cls, sets[0], 2)
+    firsts, fulls, rates = [], [], []
+    for one, full in zip(sets[1::2], sets[2::2], strict=True):
+        t1, _ = timed(llm, sp_cls, one, 1)
+        tn, outs = timed(llm, sp_cls, full, n)
+        assert output_tokens(outs) == len(full) * n, "an engine stopped early despite ignore_eos"
+        firsts.append(t1)
+        fulls.append(tn)
+        rates.append(len(full) * (n - 1) / (tn - t1))
+    rate = statistics.median(rates)
+    return {"batch": len(sets[0]), "output_len": n, "ttft_s": firsts, "seconds": fulls, "rates": rates,
+            "decode_tok_s": rate, "tpot_ms": 1000.0 * len(sets[0]) / rate,
+            "first_tokens": list(outs[0].outputs[0].token_ids[:16])}
+
+
+RUNNERS = {"prefill": run_prefill, "batch": run_batch, "decode": run_decode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["vllm", "segserve"], required=True)
+    p.add_argument("--spec", required=True, help="JSON file: model, dtype, engine_kwargs, workloads")
+    p.add_argument("--out", required=True, help="JSON file the results go to")
+    args = p.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text())
+    t0 = time.perf_counter()
+    llm, sp_cls, info = make_engine(args.engine, spec)
+    results: dict[str, Any] = {"_engine": info | {"startup_s": time.perf_counter() - t0}}
+    timed(llm, sp_cls, [spec.get("warmup") or list(range(100, 612))], 4)  # first-call costs: in no figure
+    for name, w in spec["workloads"].items():
+        before = list(os.getloadavg())
+        results[name] = RUNNERS[w["kind"]](llm, sp_cls, w) | {"load_before": before,
+                                                             "load_after": list(os.getloadavg())}
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"driver {args.engine} {spec['dtype']} {name}: done", flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

