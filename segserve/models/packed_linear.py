@@ -47,6 +47,10 @@ best trials were AMX 116 / 119, oneDNN 54 / 63. At 8 rows and below the compiled
 leads oneDNN by 1.4-2.9x at 9 and 16 rows too. From 2,048 rows ``F.linear`` (oneDNN's own blocking of
 the plain weight) overtakes both packed forms on some shapes; the engine's default budget (512) keeps
 steps below that.
+End to end (one 4,096-token bfloat16 prefill at budget 512, AMX on and off alternating in one process,
+``bench_amx_gemm.py --prefill``) the difference stayed inside this shared machine's noise: medians 0.88-1.19x
+over five 3-5-pair runs at 1 and 2 threads, best runs 1.0-1.3x in AMX's favour (the projections are
+~27 % of such a step, attention most of the rest).
 """
 
 from __future__ import annotations
