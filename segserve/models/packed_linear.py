@@ -23,7 +23,7 @@ tests/unit/test_packed_linear.py and by the float32 parity suite against ``trans
 
 On a CPU with AMX (Intel Sapphire Rapids and later) ``CpuStep.prepack`` packs the bfloat16 projections
 for the AMX GEMM (``segserve.kernels.amx``) *instead of* for oneDNN: ``CpuStep`` runs every bfloat16 step
-of 9 rows or more on it (``forward_amx``) and up to 8 rows the compiled small-batch linears read the
+of 9 rows or more on it (``forward_chunk``) and up to 8 rows the compiled small-batch linears read the
 plain weight, so a oneDNN copy would never be read and one packed copy does (~212 MB for SmolLM2-135M's
 projections; the LM head keeps its oneDNN copy). That holds because the AMX GEMM is as fast as oneDNN's
 packed one or faster from 9 rows up (equal within noise on gate/up from 256 rows):
@@ -47,6 +47,10 @@ best trials were AMX 116 / 119, oneDNN 54 / 63. At 8 rows and below the compiled
 leads oneDNN by 1.4-2.9x at 9 and 16 rows too. From 2,048 rows ``F.linear`` (oneDNN's own blocking of
 the plain weight) overtakes both packed forms on some shapes; the engine's default budget (512) keeps
 steps below that.
+End to end (one 4,096-token bfloat16 prefill at budget 512, AMX on and off alternating in one process,
+``bench_amx_gemm.py --prefill``) the difference stayed inside this shared machine's noise: medians 0.88-1.19x
+over five 3-5-pair runs at 1 and 2 threads, best runs 1.0-1.3x in AMX's favour (the projections are
+~27 % of such a step, attention most of the rest).
 """
 
 from __future__ import annotations

@@ -8,14 +8,12 @@ are switched on and every projection has a shape they take:
   every layer in one C call (``DecodeStack``);
 - any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
   the SiLU gate and the residual adds fused in, plus the backend's attention (:func:`forward_small`);
-- larger bfloat16 steps on a CPU with AMX (``segserve.kernels.amx``; at least ``AMX_MIN_ROWS`` rows):
-  each layer as four AMX GEMMs reading the tile-packed weights :meth:`CpuStep.prepack` made, the
-  residual adds and the SiLU gate fused into their stores, the compiled RMSNorm and the backend's
-  attention between them (:func:`forward_amx`);
-- other larger steps (float32, or no AMX): oneDNN's packed GEMMs for the projections (:func:`forward_chunk`).
-
-On both large-step paths the elementwise work between the GEMMs runs in compiled row passes (residual add
-fused with the next RMSNorm, the SiLU gate, RoPE in place) instead of ~15 eager ops per layer.
+- larger steps (prefill chunks, big decode batches): oneDNN's GEMMs for the projections, and between
+  them the compiled row kernels: each residual add fused with the next RMSNorm, the SiLU gate, RoPE in
+  place (:func:`forward_chunk`; the eager ops they replace were ~15 % of a 512-token bfloat16 step).
+  bfloat16 steps of at least ``AMX_MIN_ROWS`` rows on a CPU with AMX (``segserve.kernels.amx``) run the
+  projections as AMX GEMMs instead, on the tile-packed weights :meth:`CpuStep.prepack` made, with the
+  SiLU gate fused into the gate/up GEMM's stores.
 
 Otherwise (kernels off or unbuilt, another dtype or device, a weight shape they do not take) the model's
 own forward. The LM head alike: the compiled linear for a few rows, else the oneDNN-packed copy
@@ -65,7 +63,7 @@ class CpuStep:
     def prepack(self) -> int:
         """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
         ``segserve.models.packed_linear``), or, for bfloat16 projections where the AMX GEMM runs
-        (``amx.available()``), in its tile layout instead (:func:`forward_amx` reads that copy for every
+        (``amx.available()``), in its tile layout instead (:func:`forward_chunk` reads that copy for every
         step over ``MAX_SMALL_ROWS`` rows, so a oneDNN copy would go unread). Idempotent; call again
         after changing or replacing weights, or after switching AMX on or off (it also forgets the
         kernel-fit answers and the compiled decode step, which hold the weights).
@@ -122,14 +120,8 @@ class CpuStep:
         if not self._kernels_fit(weight.dtype, weight.device):
             return model(input_ids, positions, kv_caches, metadata)
         if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[weight.dtype]:
-            if not self._amx_fits(weight.dtype, input_ids.shape[0]):
-                return forward_chunk(model, input_ids, positions, kv_caches, metadata)
-            model.check_kv_caches(kv_caches)
-            h = model.embed_tokens(input_ids)  # (T, H)
-            cos, sin = model.rope_at(positions)  # (T, D) float32 each
-            for layer, packed, kv_cache in zip(model.layers, self._amx_weights, kv_caches, strict=True):
-                h = forward_amx(layer, packed, h, cos, sin, kv_cache, metadata)
-            return _final_norm(model, h)
+            amx_weights = self._amx_weights if self._amx_fits(weight.dtype, input_ids.shape[0]) else None
+            return forward_chunk(model, input_ids, positions, kv_caches, metadata, amx_weights)
         model.check_kv_caches(kv_caches)
         h = model.embed_tokens(input_ids)  # (T, H)
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
@@ -189,7 +181,7 @@ class CpuStep:
         return self.model.compute_logits(hidden)
 
     def _amx_fits(self, dtype: torch.dtype, rows: int) -> bool:
-        """Whether a step of ``rows`` rows in ``dtype`` takes :func:`forward_amx`: bfloat16, at least
+        """Whether a step of ``rows`` rows in ``dtype`` takes the AMX GEMMs: bfloat16, at least
         ``AMX_MIN_ROWS`` rows, AMX copies made by :meth:`prepack` and AMX still switched on."""
         return (
             dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and self._amx_weights is not None
@@ -235,13 +227,15 @@ def forward_small(
 
 def forward_chunk(
     model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-    metadata: AttentionMetadata,
+    metadata: AttentionMetadata, amx_weights: list[tuple[torch.Tensor, ...]] | None = None,
 ) -> torch.Tensor:
     """The model's forward for a step of many rows: the projections as the layers' own linears (oneDNN
-    packed GEMMs), the elementwise work between them in three compiled row passes per layer instead of
-    ~15 eager ops: ``h += branch`` fused with the next RMSNorm (the last layer's with the final norm),
-    the SiLU gate, RoPE in place. Same rounding points as the eager model, so equal to it within the
-    norms' summation order. ``input_ids``/``positions`` ``(T,)``; returns ``(T, H)`` after the final norm."""
+    packed GEMMs), or with ``amx_weights`` (:func:`amx_layer_weights`) as AMX GEMMs with the SiLU gate
+    fused into the gate/up one's stores; the elementwise work between them in compiled row passes
+    instead of ~15 eager ops: ``h += branch`` fused with the next RMSNorm (the last layer's with the
+    final norm), the SiLU gate, RoPE in place. Same rounding points as the eager model, so equal to it
+    within the norms' (and the GEMMs') summation order. ``input_ids``/``positions`` ``(T,)``; returns
+    ``(T, H)`` after the final norm."""
     model.check_kv_caches(kv_caches)
     h = model.embed_tokens(input_ids)  # (T, H)
     cos, sin = model.rope_at(positions)  # (T, D) float32 each
@@ -249,43 +243,29 @@ def forward_chunk(
     first = layers[0].input_layernorm
     x = cpu_kernels.add_rmsnorm_(h, first.weight, first.eps)  # (T, H)
     branch = None
-    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
         attn, mlp = layer.self_attn, layer.mlp
+        packed = (None,) * 4 if amx_weights is None else amx_weights[i]
         if branch is not None:  # the previous layer's MLP output joins h, then this layer's norm
             ln1 = layer.input_layernorm
             cpu_kernels.add_rmsnorm_(h, ln1.weight, ln1.eps, add=branch, out=x)
-        out = attn.attend(attn.qkv_proj(x), cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
+        qkv = _project(attn.qkv_proj, x, packed[0])  # (T, (Hq + 2 Hkv) D)
+        out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
         ln2 = layer.post_attention_layernorm
-        cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, add=attn.o_proj(out), out=x)
-        branch = mlp.down_proj(cpu_kernels.silu_mul(mlp.gate_up_proj(x)))  # (T, H)
-    return _final_norm(model, h, branch)
+        cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, add=_project(attn.o_proj, out, packed[1]), out=x)
+        if packed[2] is None:
+            act = cpu_kernels.silu_mul(mlp.gate_up_proj(x))  # (T, I)
+        else:
+            act = amx.linear(x, packed[2], 2 * mlp.intermediate_size, x.shape[1], silu_mul=True)
+        branch = _project(mlp.down_proj, act, packed[3])  # (T, H)
+    return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=branch)
 
 
-def _final_norm(model: LlamaForCausalLM, h: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's final RMSNorm of ``h`` (after ``h += add``), in one compiled row pass."""
-    return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=add)
-
-
-def forward_amx(
-    layer: LlamaDecoderLayer, packed: tuple[torch.Tensor, ...], h: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-) -> torch.Tensor:
-    """``layer`` for a bfloat16 step of many rows on AMX tiles: ``packed`` its ``(qkv, o, gate_up, down)``
-    weights from :func:`amx_layer_weights`; ``h`` ``(T, H)`` contiguous, updated in place and returned;
-    ``cos``/``sin`` ``(T, D)`` float32 rows of the RoPE table. Rounds where the eager layer rounds (the
-    residual adds and the SiLU gate are fused into the GEMMs' stores)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv_w, o_w, gate_up_w, down_w = packed
-    hidden, inter = h.shape[1], mlp.intermediate_size
-    nqkv, q_size = attn.qkv_proj.out_features, attn.o_proj.in_features
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    x = cpu_kernels.add_rmsnorm_(h, ln1.weight, ln1.eps)  # (T, H)
-    qkv = amx.linear(x, qkv_w, nqkv, hidden, attn.qkv_proj.bias)  # (T, Nqkv)
-    out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
-    amx.linear(out, o_w, hidden, q_size, residual=h)  # h += o_proj(out)
-    cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, out=x)
-    act = amx.linear(x, gate_up_w, 2 * inter, hidden, silu_mul=True)  # (T, I)
-    return amx.linear(act, down_w, hidden, inter, residual=h)  # h += down_proj(act)
+def _project(linear: PackedLinear, x: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """``linear(x)``, on AMX tiles when ``packed`` (its weight in ``amx.pack``'s layout) is given."""
+    if packed is None:
+        return linear(x)
+    return amx.linear(x, packed, linear.out_features, linear.in_features, linear.bias)
 
 
 def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]] | None:
@@ -304,7 +284,7 @@ def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]]
 
 
 def _layer_linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear, ...]:
-    """``(qkv, o, gate_up, down)``: the projections :func:`forward_amx` runs, in its order."""
+    """``(qkv, o, gate_up, down)``: the projections :func:`forward_chunk` runs on AMX, in its order."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
