@@ -234,8 +234,9 @@ def measure_quick(loaded, block_size: int = 16, kv_segment_size: int = 512, log=
     from segserve import LLMEngine
     from segserve.simulator.replay import engine_decodes_gather
 
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")  # the engine's must match
     engine = LLMEngine(
-        model=loaded, max_num_batched_tokens=QUICK_BUDGET, num_kv_blocks=1200, max_num_seqs=64,
+        model=loaded, dtype=dtype, max_num_batched_tokens=QUICK_BUDGET, num_kv_blocks=1200, max_num_seqs=64,
         block_size=block_size, kv_segment_size=kv_segment_size,
     )
     pr = _Prober(engine, seed)

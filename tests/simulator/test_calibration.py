@@ -196,3 +196,29 @@ def test_profile_quick_prints_the_fit_error_and_caches(model_file, monkeypatch, 
     given = cal.choose_profile(fp, given=str(copy))
     assert given.origin == "given" and given.warning is None
     assert main(["profile"]) == 2 and "give --output FILE" in capsys.readouterr().err
+
+
+def test_quick_probes_run_the_engine_in_the_loaded_models_dtype(monkeypatch):
+    # Regression: `profile --quick --dtype bfloat16` built its engine in the default float32 and failed
+    # with "the loaded model is torch.bfloat16, not torch.float32".
+    import torch
+
+    import segserve
+    from segserve.simulator import profile
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    class Loaded:
+        model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+
+    monkeypatch.setattr(segserve, "LLMEngine", fake_engine)
+    with pytest.raises(Stop):
+        profile.measure_quick(Loaded(), log=lambda *_: None)
+    assert seen["dtype"] == "bfloat16"
