@@ -4,10 +4,13 @@
 (scheduler, KV cache manager) stays importable without torch.
 """
 
-from segserve.sampling_params import SamplingParams
+from segserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "segserve.engine.llm",

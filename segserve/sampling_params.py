@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from segserve.structured_output.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 MAX_N = 128
@@ -31,6 +33,8 @@ class SamplingParams:
         logprobs: number of top logprobs to return per generated token (0..20), besides the sampled one.
         prompt_logprobs: number of top logprobs per prompt token (0..20).
         skip_special_tokens: leave special tokens out of the text.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (``StructuredOutputsParams``); each of ``n`` completions follows it.
 
     Raises:
         ValueError: naming the field and its allowed range.
@@ -50,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -95,6 +100,9 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
         if self.temperature < SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so drop them (as vLLM does).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0

@@ -16,6 +16,7 @@ from segserve.config import EngineConfig
 from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from segserve.sampling_params import SamplingParams
 from segserve.worker.cpu_step import CpuStep
+from segserve.worker.grammar_mask import GrammarBitmask, apply_grammar_bitmask
 from segserve.worker.sampler import compute_logprobs, sample
 
 
@@ -132,8 +133,11 @@ class ModelRunner:
         return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Returns sampled tokens for requests whose last scheduled token is their last."""
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run one step. Returns sampled tokens for requests whose last scheduled token is their last.
+
+        ``grammar``: the step's structured-output bitmask (rows of constrained requests), or None.
+        """
         order = self._update_states(so)
         if not order:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -153,6 +157,7 @@ class ModelRunner:
             rids = [order[i] for i in due]
             states = [self.requests[rid] for rid in rids]
             self._mask_stop_tokens(logits, states)
+            apply_grammar_bitmask(logits, rids, grammar)
             out = sample(
                 logits,
                 [s.sampling_params for s in states],
