@@ -31,9 +31,9 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind == "json":
             _check_json_schema(json.loads(text))
-            return xgr.Grammar.from_json_schema(text, any_whitespace=not no_ws)
+            return json_schema_grammar(text, any_whitespace=not no_ws)
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=not no_ws)
+            return json_schema_grammar(JSON_OBJECT_SCHEMA, any_whitespace=not no_ws)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
         if kind == "regex":
@@ -45,6 +45,22 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         raise
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types
         raise ValueError(f"structured_outputs.{kind} is invalid or unsupported: {_first_line(exc)}") from None
+
+
+# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this class, which admits
+# raw control characters (U+0000-U+001F other than CR/LF): invalid JSON. Its unbounded strings exclude
+# them; bounded ones get the same class here (escapes stay out of bounded strings, as before).
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
+    """xgrammar's grammar of a JSON schema (text), with bounded-length strings kept to valid JSON."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    ebnf = str(grammar)
+    if _LOOSE_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def choice_ebnf(choices: list[str]) -> str:
