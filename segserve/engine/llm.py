@@ -105,15 +105,21 @@ class LLM:
 
 
 def chat_prompt_ids(
-    engine: LLMEngine, messages: ChatMessages, add_generation_prompt: bool = True
+    engine: LLMEngine, messages: ChatMessages, add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS)."""
+    """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS).
+
+    ``tools``: OpenAI-shaped tool definitions, handed to the template (templates without tool
+    support ignore them).
+    """
     tokenizer = engine.tokenizer
     template = engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"model {engine.loaded.name} has no chat template; pass plain prompts instead")
     text = tokenizer.apply_chat_template(
-        messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False,
+        tools=tools,
     )
     return tokenizer.encode(text, add_special_tokens=False)
 

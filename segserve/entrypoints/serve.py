@@ -27,6 +27,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="bound on the waiting queue; requests beyond it get HTTP 503",
     )
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
+    srv.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='allow tool_choice "auto": the model\'s tool calls are parsed with --tool-call-parser',
+    )
+    srv.add_argument(
+        "--tool-call-parser", choices=["hermes"], default=None,
+        help="how tool calls are read from the output under tool_choice auto "
+        "(hermes: <tool_call>{json}</tool_call>)",
+    )
     add_budget_args(srv)
     srv.add_argument(
         "--profile", default=None,
@@ -54,6 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together (vLLM's rule)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
     auto = args.max_num_batched_tokens == AUTO
@@ -68,6 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app, engine = make_server(
         llm_engine, args.served_model_name, args.max_waiting_requests, args.log_interval,
         budget_source="auto" if auto else "given",
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])

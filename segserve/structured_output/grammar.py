@@ -50,8 +50,8 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
 # xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this class, which admits
 # raw control characters (U+0000-U+001F other than CR/LF): invalid JSON. Its unbounded strings exclude
 # them; bounded ones get the same class here (escapes stay out of bounded strings, as before).
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:

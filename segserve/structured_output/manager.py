@@ -42,8 +42,13 @@ class StructuredOutputManager:
         ValueError: ``max_cached`` < 1.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:
         if max_cached < 1:
             raise ValueError(f"max_cached must be >= 1, got {max_cached}")
         self.vocab_size = vocab_size

@@ -45,20 +45,20 @@ class StructuredOutputsParams:
         if len(chosen) != 1:
             # vLLM's wording, so clients that match on it keep working.
             what = "none" if not chosen else f"{len(chosen)} ({', '.join(chosen)})"
-            raise ValueError(
-                f"structured_outputs: exactly one of {', '.join(KINDS)} must be set, got {what}"
-            )
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(KINDS)} must be set, got {what}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got "
-                             f"{type(self.json).__name__}")
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema (dict or str), got {type(self.json).__name__}"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got "
-                                 f"{self.choice!r}")
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
+                )
             bad = [c for c in self.choice if not isinstance(c, str) or not c]
             if bad:
                 raise ValueError(
@@ -70,8 +70,10 @@ class StructuredOutputsParams:
                 f"structured_outputs.json_object must be true when given, got {self.json_object!r}"
             )
         if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.disable_any_whitespace must be a bool, got "
-                             f"{self.disable_any_whitespace!r}")
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be a bool, got "
+                f"{self.disable_any_whitespace!r}"
+            )
 
     @property
     def kind(self) -> str:

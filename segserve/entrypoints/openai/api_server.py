@@ -57,10 +57,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         return ApiError(500, f"internal error: {exc!r}", type="server_error").response()
 
 
-def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics) -> FastAPI:
-    """The app over a started ``engine``; ``metrics`` must be one of the engine's observers."""
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics,
+              tool_parser: str | None = None) -> FastAPI:
+    """The app over a started ``engine``; ``metrics`` must be one of the engine's observers;
+    ``tool_parser`` (e.g. ``"hermes"``) enables ``tool_choice: "auto"``."""
     app = FastAPI(title="segserve OpenAI-compatible server")
-    serving = OpenAIServing(engine, served_model_names)
+    serving = OpenAIServing(engine, served_model_names, tool_parser)
     app.state.serving = serving
     _install_error_handlers(app)
 
@@ -97,6 +99,7 @@ def make_server(
     max_waiting_requests: int = 256,
     log_interval_s: float = 10.0,
     budget_source: str = "given",
+    tool_parser: str | None = None,
 ) -> tuple[FastAPI, AsyncLLMEngine]:
     """Wrap an ``LLMEngine`` in a started ``AsyncLLMEngine`` (metrics + log line) and build the app.
 
@@ -107,13 +110,22 @@ def make_server(
         log_interval_s: period of the stats log line, seconds.
         budget_source: ``"auto"`` when the step budget was sized from the step profile (the label of
             ``segserve:max_num_batched_tokens``), else ``"given"``.
+        tool_parser: the tool-call parser of ``tool_choice: "auto"`` (``--enable-auto-tool-choice
+            --tool-call-parser hermes``); None refuses ``auto``.
+
+    Raises:
+        ValueError: an unknown ``tool_parser``.
     """
+    from segserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+
+    if tool_parser is not None and tool_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_parser must be one of {list(TOOL_CALL_PARSERS)}, got {tool_parser!r}")
     names = served_model_names or [llm_engine.loaded.name]
     metrics = EngineMetrics(names[0])
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
     engine.start()
-    return build_app(engine, names, metrics), engine
+    return build_app(engine, names, metrics, tool_parser), engine
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

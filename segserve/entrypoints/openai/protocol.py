@@ -13,6 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from segserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsField
+from segserve.entrypoints.openai.tool_calls import ChatTool, DeltaToolCall, ToolCall, ToolChoice
+
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -42,6 +45,9 @@ class SamplingFields(_Lenient):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs (see .structured)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -66,6 +72,10 @@ class TextPart(_Lenient):
 class ChatMessage(_Lenient):
     role: str
     content: str | list[TextPart] | None = None
+    # An assistant turn's calls (OpenAI's shape, passed to the chat template) and a tool's reply.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -81,6 +91,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -130,7 +143,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -153,6 +167,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

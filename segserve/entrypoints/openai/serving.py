@@ -20,6 +20,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from segserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream, QueueFullError
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai.structured import FieldError, structured_outputs_of
+from segserve.entrypoints.openai.tool_calls import (
+    ToolPlan,
+    ToolStream,
+    message_dicts,
+    parse_tool_calls,
+    plan_tools,
+)
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
 
@@ -55,8 +63,23 @@ def _param_of(message: str) -> str | None:
     return first if first in _PARAM_NAMES else None
 
 
-def sampling_params(req: p.SamplingFields, max_tokens: int | None) -> SamplingParams:
-    """``SamplingParams`` of a request. Raises ApiError(400) naming the field and its allowed range."""
+def sampling_params(
+    req: p.SamplingFields, max_tokens: int | None, tools: ToolPlan | None = None
+) -> SamplingParams:
+    """``SamplingParams`` of a request. Raises ApiError(400) naming the field and its allowed range.
+
+    The output constraint comes from ``response_format`` / ``structured_outputs``, or from ``tools``
+    (``tool_choice`` required or named); asking for both is refused.
+    """
+    try:
+        constraint = structured_outputs_of(req.response_format, req.structured_outputs)
+    except FieldError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise bad_request(f"tool_choice={tools.mode!r} constrains the output itself; it cannot be "
+                              "combined with response_format or structured_outputs", "tool_choice")
+        constraint = tools.constraint
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name}={getattr(req, name)} is not supported (only 0)", name)
@@ -65,7 +88,8 @@ def sampling_params(req: p.SamplingFields, max_tokens: int | None) -> SamplingPa
     try:
         return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed,
                               min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-                              stop_token_ids=req.stop_token_ids, **optional)
+                              stop_token_ids=req.stop_token_ids, structured_outputs=constraint,
+                              **optional)
     except ValueError as exc:
         raise bad_request(str(exc), _param_of(str(exc))) from None
 
@@ -119,9 +143,11 @@ class OpenAIServing:
         served_model_names: names clients may send as ``model``; the first is the one reported.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 tool_parser: str | None = None) -> None:
         self.engine = engine
         self.names = served_model_names
+        self.tool_parser = tool_parser  # set with --enable-auto-tool-choice; enables tool_choice "auto"
         self.llm = engine.engine  # read-only here: tokenizer, chat template, max_model_len
         self.max_model_len = self.llm.max_model_len
 
@@ -144,14 +170,14 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(str(exc), "prompt") from None
 
-    def chat_prompt_ids(self, req: p.ChatCompletionRequest) -> list[int]:
+    def chat_prompt_ids(self, req: p.ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         from segserve.engine.llm import chat_prompt_ids
 
         if not req.messages:
             raise bad_request("messages is empty; at least one message is needed", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = message_dicts(req.messages)
         try:
-            return chat_prompt_ids(self.llm, messages)
+            return chat_prompt_ids(self.llm, messages, tools=tools)
         except Exception as exc:  # noqa: BLE001 - template errors come in many types; all are the client's
             message = f"messages could not be rendered with the chat template: {exc}"
             raise bad_request(message, "messages") from None
@@ -208,21 +234,35 @@ class OpenAIServing:
         if req.logprobs or req.top_logprobs:
             raise bad_request("logprobs are not supported by this server", "logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, max_tokens)
-        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req)
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        except FieldError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        params = sampling_params(req, max_tokens, plan)
+        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req, plan.tools)
         self.check_length(len(prompt_ids), max_tokens, "messages")
         stream = await self._start(prompt_ids, params, "chatcmpl")
         model = self.names[0]
         if req.stream:
             events = _chat_events(until_disconnected(stream, raw), stream.request_id, model, req.n,
-                                  req.include_usage)
+                                  req.include_usage, plan)
             return StreamingResponse(_guard(events), media_type="text/event-stream")
         final = await _last(until_disconnected(stream, raw))
-        choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in final.outputs]
+        choices = [_chat_choice(c, plan) for c in final.outputs]
         return p.ChatCompletionResponse(id=stream.request_id, model=model, choices=choices,
                                         usage=_usage(final))
+
+
+def _chat_choice(c, plan: ToolPlan) -> p.ChatChoice:
+    """One finished choice: content, or content and ``tool_calls`` parsed as the plan says."""
+    content, calls = parse_tool_calls(plan, c.text)
+    return p.ChatChoice(index=c.index, message=p.AssistantMessage(content=content, tool_calls=calls),
+                        finish_reason=_tool_finish(c.finish_reason, bool(calls)), stop_reason=c.stop_reason)
+
+
+def _tool_finish(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` finish reason for an output that ended normally in tool calls."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -288,21 +328,30 @@ def _completion_delta(deltas: _Deltas, c) -> p.CompletionChoice | None:
 
 
 async def _chat_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str, n: int,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, plan: ToolPlan) -> AsyncIterator[str]:
     chunk: Callable[..., str] = lambda choices, usage=None: _sse(  # noqa: E731 - local shorthand
         p.ChatCompletionChunk(id=rid, model=model, choices=choices, usage=usage))
     # OpenAI opens each choice with the role and an empty content.
     yield chunk([p.ChatStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
                  for i in range(n)])
-    deltas, last = _Deltas(), None
+    tools = {i: ToolStream(plan) for i in range(n)}
+    done, last = set(), None
     async for out in outputs:
         last = out
         choices = []
         for c in out.outputs:
-            d = _completion_delta(deltas, c)
-            if d is not None:
-                delta = p.DeltaMessage(content=d.text) if d.text else p.DeltaMessage()
-                choices.append(p.ChatStreamChoice(index=d.index, delta=delta, finish_reason=d.finish_reason))
+            if c.index in done:
+                continue
+            streamer = tools[c.index]
+            finished = c.finish_reason is not None
+            content, calls = streamer.finish(c.text) if finished else streamer.update(c.text)
+            if finished:
+                done.add(c.index)
+            elif content is None and not calls:
+                continue
+            delta = p.DeltaMessage(content=content, tool_calls=calls or None)
+            reason = _tool_finish(c.finish_reason, bool(streamer.calls)) if finished else None
+            choices.append(p.ChatStreamChoice(index=c.index, delta=delta, finish_reason=reason))
         if choices:
             yield chunk(choices)
     if include_usage and last is not None and last.finished:
