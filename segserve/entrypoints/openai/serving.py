@@ -72,14 +72,10 @@ def sampling_params(
     (``tool_choice`` required or named); asking for both is refused.
     """
     try:
-        constraint = structured_outputs_of(req.response_format, req.structured_outputs)
+        constraint = structured_outputs_of(req.response_format, req.structured_outputs,
+                                           tools.constraint if tools is not None else None)
     except FieldError as exc:
         raise bad_request(str(exc), exc.param) from None
-    if tools is not None and tools.constraint is not None:
-        if constraint is not None:
-            raise bad_request(f"tool_choice={tools.mode!r} constrains the output itself; it cannot be "
-                              "combined with response_format or structured_outputs", "tool_choice")
-        constraint = tools.constraint
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name}={getattr(req, name)} is not supported (only 0)", name)
@@ -193,7 +189,8 @@ class OpenAIServing:
                               f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} "
                               f"for the completion)", "max_tokens")
 
-    async def _start(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> OutputStream:
+    async def _start(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
+                     req: p.SamplingFields) -> OutputStream:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
@@ -202,7 +199,13 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), type="server_error", code="engine_dead") from None
         except ValueError as exc:
-            raise bad_request(str(exc), _param_of(str(exc))) from None
+            message = str(exc)
+            if message.startswith("structured_outputs") and req.response_format is not None:
+                # The client sent response_format: name its field, not the engine's.
+                message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+                raise bad_request(message, "response_format") from None
+            param = "structured_outputs" if message.startswith("structured_outputs") else _param_of(message)
+            raise bad_request(message, param) from None
 
     # ---- completions --------------------------------------------------------------------------------
 
@@ -216,7 +219,7 @@ class OpenAIServing:
         params = sampling_params(req, req.max_tokens)
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, req)
         self.check_length(len(prompt_ids), req.max_tokens, "prompt")
-        stream = await self._start(prompt_ids, params, "cmpl")
+        stream = await self._start(prompt_ids, params, "cmpl", req)
         model = self.names[0]
         if req.stream:
             events = _completion_events(until_disconnected(stream, raw), stream.request_id, model,
@@ -241,7 +244,7 @@ class OpenAIServing:
         params = sampling_params(req, max_tokens, plan)
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req, plan.tools)
         self.check_length(len(prompt_ids), max_tokens, "messages")
-        stream = await self._start(prompt_ids, params, "chatcmpl")
+        stream = await self._start(prompt_ids, params, "chatcmpl", req)
         model = self.names[0]
         if req.stream:
             events = _chat_events(until_disconnected(stream, raw), stream.request_id, model, req.n,

@@ -9,11 +9,12 @@ Shapes follow OpenAI's API reference (``{"type": "text" | "json_object" | "json_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from segserve.structured_output.params import StructuredOutputsParams
+from segserve.structured_output.params import KINDS, StructuredOutputsParams
 
 
 class FieldError(ValueError):
@@ -57,29 +58,49 @@ class StructuredOutputsField(BaseModel):
 
 
 def structured_outputs_of(
-    response_format: ResponseFormat | None, structured: StructuredOutputsField | None
+    response_format: ResponseFormat | None,
+    structured: StructuredOutputsField | None,
+    tools: StructuredOutputsParams | None = None,
 ) -> StructuredOutputsParams | None:
     """The constraint a request asks for, or None.
 
+    As in vLLM, ``structured_outputs`` may carry only options (``disable_any_whitespace``) while the
+    kind of constraint comes from ``response_format`` or from the tools (``tool_choice`` required or
+    named, passed as ``tools``); two sources of a kind are refused.
+
     Raises:
-        FieldError: both fields set, a ``json_schema`` format without a schema, or invalid
+        FieldError: two kinds asked for, a ``json_schema`` format without a schema, or invalid
             ``structured_outputs`` (the message and ``param`` name the field).
     """
+    fields = {} if structured is None else structured.model_dump(by_alias=True, exclude_defaults=True)
+    own_kind = [k for k in KINDS if fields.get(k) is not None]
     fmt = None if response_format is None or response_format.type == "text" else response_format
-    if fmt is not None and structured is not None:
-        raise FieldError("set response_format or structured_outputs, not both", "response_format")
-    if structured is not None:
-        fields = structured.model_dump(by_alias=True, exclude_defaults=True)
-        try:
-            return StructuredOutputsParams(**fields)
-        except ValueError as exc:
-            raise FieldError(str(exc), "structured_outputs") from None
-    if fmt is None:
+    if fmt is not None and tools is not None:
+        raise FieldError("tool_choice required or named constrains the output itself; it cannot be combined "
+                         "with response_format", "tool_choice")
+    if tools is not None:
+        if own_kind:
+            raise FieldError(f"tool_choice required or named constrains the output itself; it cannot be "
+                             f"combined with structured_outputs.{own_kind[0]}", "tool_choice")
+        return dataclasses.replace(tools, **fields)
+    if fmt is not None:
+        if own_kind:
+            raise FieldError(f"set response_format or structured_outputs.{own_kind[0]}, not both",
+                             "response_format")
+        fields.update(_format_kind(fmt))
+    if not fields:
         return None
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise FieldError(str(exc), "structured_outputs") from None
+
+
+def _format_kind(fmt: ResponseFormat) -> dict[str, Any]:
     if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return {"json_object": True}
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
         raise FieldError(
             "response_format of type json_schema needs json_schema.schema (a JSON schema)", "response_format"
         )
-    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    return {"json": fmt.json_schema.json_schema}
