@@ -83,8 +83,9 @@ class StructuredOutputsParams:
     def cache_key(self) -> tuple[str, str, bool]:
         """(kind, canonical text, whitespace flag): equal keys compile to the same grammar.
 
-        A dict schema is serialized with sorted keys, so the same schema given twice in another key
-        order hits the cache. Raises ValueError for ``json`` text that is not JSON.
+        A schema given as a dict or as JSON text has one key; key order is kept (it is the order in
+        which the grammar emits an object's properties). Raises ValueError for ``json`` text that is
+        not JSON.
         """
         kind = self.kind
         if kind == "json":
@@ -94,7 +95,7 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-            text = json.dumps(schema, sort_keys=True)
+            text = json.dumps(schema)
         elif kind == "choice":
             text = json.dumps(self.choice)
         elif kind == "json_object":
