@@ -259,3 +259,22 @@ def test_bitmask_sets_exactly_the_forbidden_logits_to_minus_inf():
     finite = torch.isfinite(logits[1]).nonzero().squeeze(1).tolist()
     assert finite == allowed and torch.equal(logits[1, allowed], before[1, allowed])
     assert torch.equal(logits[[0, 2]], before[[0, 2]])  # unconstrained rows untouched
+
+
+def test_failed_compilation_aborts_only_that_request(loaded, monkeypatch):
+    llm = LLM(loaded, **ENGINE)
+    engine = llm.llm_engine
+    compiler = engine.grammar_gate.manager.compiler
+
+    def broken(grammar):
+        raise RuntimeError("out of memory while compiling")
+
+    monkeypatch.setattr(compiler, "compile_grammar", broken)
+    engine.add_request("bad", "fox", greedy(StructuredOutputsParams(regex="[xyz]{4}")))
+    engine.add_request("free", "fox", greedy(max_tokens=3, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["bad"].outputs[0].finish_reason == "abort" and finished["bad"].outputs[0].token_ids == []
+    assert len(finished["free"].outputs[0].token_ids) == 3
+    engine.check_integrity()
