@@ -210,7 +210,8 @@ class AsyncLLMEngine:
     def _add_now(
         self, request_id: str, prompt: PromptType, params: SamplingParams, stream: OutputStream
     ) -> None:
-        waiting = len(self.engine.scheduler.waiting)
+        # Requests waiting for their grammar count as waiting: the bound holds for them too.
+        waiting = len(self.engine.scheduler.waiting) + self.engine.num_awaiting_grammar
         if waiting + params.n > self.max_waiting_requests:
             raise QueueFullError(
                 f"server busy: the waiting queue holds {waiting} requests and this one adds {params.n}, "

@@ -255,6 +255,11 @@ class LLMEngine:
         gate = self._grammar_gate
         return self.scheduler.has_unfinished_requests() or (gate is not None and bool(gate.awaiting))
 
+    @property
+    def num_awaiting_grammar(self) -> int:
+        """Requests (completions) waiting outside the scheduler for their grammar to compile."""
+        return 0 if self._grammar_gate is None else len(self._grammar_gate.awaiting)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
 
