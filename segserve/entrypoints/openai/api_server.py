@@ -121,6 +121,9 @@ def make_server(
     if tool_parser is not None and tool_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_parser must be one of {list(TOOL_CALL_PARSERS)}, got {tool_parser!r}")
     names = served_model_names or [llm_engine.loaded.name]
+    # xgrammar's tables of the vocabulary (~1 s for 49k tokens): built now, not on the engine thread
+    # when the first constrained request arrives (every stream would stall for it).
+    llm_engine.grammar_gate  # noqa: B018 - the property builds it
     metrics = EngineMetrics(names[0])
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
