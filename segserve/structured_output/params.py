@@ -43,7 +43,6 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         chosen = [k for k in KINDS if getattr(self, k) is not None]
         if len(chosen) != 1:
-            # vLLM's wording, so clients that match on it keep working.
             what = "none" if not chosen else f"{len(chosen)} ({', '.join(chosen)})"
             raise ValueError(f"structured_outputs: exactly one of {', '.join(KINDS)} must be set, got {what}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
