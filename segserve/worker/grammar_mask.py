@@ -56,10 +56,13 @@ def apply_grammar_bitmask(
     vocab = logits.shape[1]
     if grammar.bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"bitmask has {grammar.bitmask.shape[1]} words, fewer than V={vocab} tokens need")
-    rows = [dst for dst, _ in pairs]
+    rows = torch.tensor([dst for dst, _ in pairs])
+    src = torch.tensor([src for _, src in pairs])
     # (N, W), -1 = every bit set = all allowed: rows of unconstrained requests stay as they are.
+    # index_copy_, not ``full[rows] = ...``: list-indexed assignment took ~50 ms for 16 rows here.
     full = torch.full((logits.shape[0], grammar.bitmask.shape[1]), -1, dtype=torch.int32)
-    full[rows] = grammar.bitmask[[src for _, src in pairs]]
+    full.index_copy_(0, rows, grammar.bitmask.index_select(0, src))
     import xgrammar as xgr  # only steps with a constrained request pay for the import
 
-    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=rows)
+    backend = "cpu" if logits.device.type == "cpu" else "auto"
+    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=rows.tolist(), backend=backend)
