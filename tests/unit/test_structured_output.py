@@ -249,16 +249,19 @@ def test_malformed_params_are_refused(kwargs, message):
 
 def test_bitmask_sets_exactly_the_forbidden_logits_to_minus_inf():
     vocab = 70  # 3 words, the last one partial
-    logits = torch.randn(3, vocab)
+    logits = torch.randn(4, vocab)
     before = logits.clone()
-    allowed = [0, 31, 32, 69]
-    mask = torch.zeros(1, 3, dtype=torch.int32)
-    for t in allowed:
-        mask[0, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
-    apply_grammar_bitmask(logits, ["a", "b", "c"], GrammarBitmask(("b",), mask))
-    finite = torch.isfinite(logits[1]).nonzero().squeeze(1).tolist()
-    assert finite == allowed and torch.equal(logits[1, allowed], before[1, allowed])
+    allowed = {"d": [0, 31, 32, 69], "b": [5]}
+    mask = torch.zeros(2, 3, dtype=torch.int32)
+    for row, rid in enumerate(("d", "b")):  # bitmask rows in another order than the logits rows
+        for t in allowed[rid]:
+            mask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    apply_grammar_bitmask(logits, ["a", "b", "c", "d"], GrammarBitmask(("d", "b"), mask))
+    for row, rid in ((3, "d"), (1, "b")):
+        finite = torch.isfinite(logits[row]).nonzero().squeeze(1).tolist()
+        assert finite == allowed[rid] and torch.equal(logits[row, finite], before[row, finite])
     assert torch.equal(logits[[0, 2]], before[[0, 2]])  # unconstrained rows untouched
+
 
 
 def test_failed_compilation_aborts_only_that_request(loaded, monkeypatch):
