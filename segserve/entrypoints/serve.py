@@ -58,7 +58,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     use_ray = scale_out.wants_ray(args)
     if use_ray:
-        scale_out.ScaleOut.from_cli_args(args)  # bad scale-out flags fail before any model work
+        scale_out.ScaleOut.from_cli_args(args).check_reachable()  # bad flags fail before any model work
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
     auto = args.max_num_batched_tokens == AUTO

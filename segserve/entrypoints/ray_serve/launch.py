@@ -23,6 +23,8 @@ import logging
 import os
 import signal
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from segserve.entrypoints.ray_serve.settings import ScaleOut
@@ -48,23 +50,12 @@ def start_ray(scale: ScaleOut, num_cpus: int | None = None) -> bool:
                  log_to_driver=False, configure_logging=False,
                  _temp_dir=tempfile.mkdtemp(prefix="segserve-ray-"))
         return True
-    _check_reachable(scale.ray_address)
+    scale.check_reachable()
     try:
         ray.init(address=scale.ray_address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ValueError(f"--ray-address {scale.ray_address}: cannot join the cluster: {exc}") from None
     return False
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast (Ray itself retries for a minute) when nothing listens at host:port."""
-    import socket
-
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--ray-address {address}: unreachable ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -150,32 +141,51 @@ def stop(started_cluster: bool, board) -> None:
         ray.shutdown()
 
 
+@dataclass
+class Deployment:
+    """A running scale-out: the Serve handle, the metrics board and the ingress app over them."""
+
+    handle: object
+    board: object
+    app: object
+
+
+@contextmanager
+def serve_replicas(scale: ScaleOut, spec: ReplicaSpec, num_cpus: int | None = None) -> Iterator[Deployment]:
+    """The Python way in: Ray started (or joined), the replicas deployed and the ingress app built;
+    everything stopped on exit. ``num_cpus``: a local cluster's CPUs (default: the machine's)."""
+    from segserve.entrypoints.ray_serve.ingress import Ingress
+
+    started, board = start_ray(scale, num_cpus), None
+    try:
+        handle, board = deploy(scale, spec)
+        log.info("%d replicas x %d CPUs, router %s", scale.num_replicas, scale.replica_cpus, scale.router)
+        ingress = Ingress(handle, lambda: replica_counts(scale.num_replicas), board)
+        yield Deployment(handle, board, ingress.app())
+    finally:
+        stop(started, board)
+
+
 def run_cluster(args: argparse.Namespace, budget_source: str) -> int:
     """``segserve serve`` with Ray Serve replicas: deploy, serve the ingress until a signal, stop."""
     import uvicorn
 
     from segserve.engine_args import EngineArgs
     from segserve.entrypoints.openai.api_server import bind_socket
-    from segserve.entrypoints.ray_serve.ingress import Ingress
 
     scale = ScaleOut.from_cli_args(args)
     sock = bind_socket(args.host, args.port)  # a taken port fails before Ray starts
     engine_args = EngineArgs.from_cli_args(args)
     spec = ReplicaSpec(engine_args, args.served_model_name, args.max_waiting_requests, args.log_interval,
                        budget_source, engine_args.max_num_seqs)
-    started = start_ray(scale)
-    board = None
-    # SIGTERM stops like Ctrl-C: uvicorn handles both, then the finally below cleans up.
+    # SIGTERM stops like Ctrl-C: uvicorn handles both, then serve_replicas cleans up.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        handle, board = deploy(scale, spec)
-        log.info("%d replicas x %d CPUs, router %s", scale.num_replicas, scale.replica_cpus, scale.router)
-        app = Ingress(handle, lambda: replica_counts(scale.num_replicas), board).app()
-        log.info("serving on http://%s:%d", *sock.getsockname()[:2])
-        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+        with serve_replicas(scale, spec) as dep:
+            log.info("serving on http://%s:%d", *sock.getsockname()[:2])
+            uvicorn.Server(uvicorn.Config(dep.app, log_level="info")).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
-        stop(started, board)
         sock.close()
     return 0

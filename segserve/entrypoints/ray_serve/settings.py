@@ -86,6 +86,19 @@ class ScaleOut:
         except ValueError as exc:
             raise ValueError(f"--router-{str(exc).replace('_', '-')}") from None
 
+    def check_reachable(self, timeout_s: float = 5.0) -> None:
+        """ValueError naming ``--ray-address`` when nothing listens there (Ray itself would retry for a
+        minute before failing)."""
+        import socket
+
+        if self.ray_address is None:
+            return
+        host, _, port = self.ray_address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--ray-address {self.ray_address}: unreachable ({exc})") from None
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ScaleOut:
         cpus = machine_cpus()

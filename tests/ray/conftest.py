@@ -1,0 +1,75 @@
+"""One local Ray cluster per module; the tiny random Llama of the server tests, saved to disk so that
+replica processes can load it; a deployment per router, served by an in-process uvicorn ingress."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from segserve.engine_args import EngineArgs  # noqa: E402
+from segserve.entrypoints.ray_serve import launch  # noqa: E402
+from segserve.entrypoints.ray_serve.ingress import Ingress  # noqa: E402
+from segserve.entrypoints.ray_serve.settings import ScaleOut  # noqa: E402
+from tests.server.conftest import TINY_ENGINE  # noqa: E402
+from tests.server.harness import SERVED_NAME  # noqa: E402
+
+NUM_REPLICAS = 2
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from tests.model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_llama_ray")
+    save_tiny_hf_dir(path, tiny_hf_model(), train_tiny_tokenizer())
+    return str(path)
+
+
+def scale_for(router: str) -> ScaleOut:
+    # Logical CPUs: a 2-core CI machine still places 2 one-CPU replicas (the cluster gets 4).
+    return ScaleOut(NUM_REPLICAS, 1, router, 16, 0.1, None, available_cpus=4)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local cluster (loopback only, no dashboard), stopped after the module."""
+    started = launch.start_ray(scale_for("round_robin"), num_cpus=4)
+    yield
+    launch.stop(started, None)
+
+
+@contextmanager
+def deployed(tiny_dir: str, router: str) -> Iterator[tuple[str, object]]:
+    """(base URL, handle) of 2 replicas behind an ingress on 127.0.0.1 and a free port."""
+    import uvicorn
+
+    from segserve.entrypoints.openai.api_server import bind_socket
+
+    scale = scale_for(router)
+    spec = launch.ReplicaSpec(EngineArgs(model=tiny_dir, **TINY_ENGINE), [SERVED_NAME], 256, 5.0, "given",
+                              TINY_ENGINE["max_num_seqs"])
+    handle, board = launch.deploy(scale, spec)
+    app = Ingress(handle, lambda: launch.replica_counts(NUM_REPLICAS), board).app()
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", handle
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+        from ray import serve
+
+        serve.delete(launch.APP_NAME)
+        ray.kill(board)
