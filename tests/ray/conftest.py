@@ -3,6 +3,7 @@ replica processes can load it; a deployment per router, served by an in-process 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 ray = pytest.importorskip("ray")
+from ray import cloudpickle  # noqa: E402
 
 from segserve.engine_args import EngineArgs  # noqa: E402
 from segserve.entrypoints.ray_serve import launch  # noqa: E402
@@ -20,6 +22,26 @@ from tests.server.conftest import TINY_ENGINE  # noqa: E402
 from tests.server.harness import SERVED_NAME  # noqa: E402
 
 NUM_REPLICAS = 2
+STEP_DELAY_S = 0.02
+
+
+class StepDelay:
+    """Step observer sleeping after each step with output, so that tests can act mid-request on a
+    tiny model whose steps take milliseconds (shipped to the replicas by value, see below)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def on_step(self, info) -> None:
+        if info.outputs:
+            time.sleep(self.delay_s)
+
+    def on_abort(self, request_id: str) -> None:
+        pass
+
+
+# Replica processes need not import the tests package: StepDelay travels by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +75,7 @@ def deployed(tiny_dir: str, router: str) -> Iterator[tuple[str, object]]:
 
     scale = scale_for(router)
     spec = launch.ReplicaSpec(EngineArgs(model=tiny_dir, **TINY_ENGINE), [SERVED_NAME], 256, 5.0, "given",
-                              TINY_ENGINE["max_num_seqs"])
+                              TINY_ENGINE["max_num_seqs"], observers=(StepDelay(STEP_DELAY_S),))
     handle, board = launch.deploy(scale, spec)
     app = Ingress(handle, lambda: launch.replica_counts(NUM_REPLICAS), board).app()
     sock = bind_socket("127.0.0.1", 0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -32,7 +33,8 @@ from segserve.entrypoints.ray_serve.settings import ScaleOut
 log = logging.getLogger("segserve")
 APP_NAME = "segserve"
 DEPLOYMENT = "EngineReplica"
-CONNECT_TIMEOUT_S = 30
+# Session dirs (logs, sockets) of the local clusters this process started, removed by ``stop``.
+_LOCAL_TEMP_DIRS: list[str] = []
 
 
 def start_ray(scale: ScaleOut, num_cpus: int | None = None) -> bool:
@@ -46,9 +48,9 @@ def start_ray(scale: ScaleOut, num_cpus: int | None = None) -> bool:
 
     if scale.ray_address is None:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback-only single-machine mode
+        _LOCAL_TEMP_DIRS.append(tempfile.mkdtemp(prefix="segserve-ray-"))
         ray.init(address="local", include_dashboard=False, num_cpus=num_cpus or scale.available_cpus,
-                 log_to_driver=False, configure_logging=False,
-                 _temp_dir=tempfile.mkdtemp(prefix="segserve-ray-"))
+                 log_to_driver=False, configure_logging=False, _temp_dir=_LOCAL_TEMP_DIRS[-1])
         return True
     scale.check_reachable()
     try:
@@ -68,6 +70,7 @@ class ReplicaSpec:
     log_interval_s: float
     budget_source: str
     max_num_seqs: int
+    observers: tuple = ()
 
 
 def router_config(scale: ScaleOut):
@@ -109,7 +112,7 @@ def deploy(scale: ScaleOut, spec: ReplicaSpec):
         options["request_router_config"] = rc
     app = serve.deployment(EngineReplica).options(**options).bind(
         spec.engine_args, spec.served_model_names, spec.max_waiting_requests, spec.log_interval_s,
-        spec.budget_source, scale.replica_cpus, board)
+        spec.budget_source, scale.replica_cpus, board, spec.observers)
     handle = serve.run(app, name=APP_NAME, route_prefix=None)
     return handle, board
 
@@ -139,6 +142,8 @@ def stop(started_cluster: bool, board) -> None:
             ray.kill(board)
     finally:
         ray.shutdown()
+        while started_cluster and _LOCAL_TEMP_DIRS:
+            shutil.rmtree(_LOCAL_TEMP_DIRS.pop(), ignore_errors=True)
 
 
 @dataclass

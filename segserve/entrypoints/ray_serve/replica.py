@@ -31,10 +31,12 @@ class EngineReplica:
         served_model_names, max_waiting_requests, log_interval_s, budget_source: as ``make_server``.
         threads: torch intra-op threads (the replica's reserved CPUs).
         board: the metrics board actor (``board.MetricsBoard``), or None.
+        observers: extra step observers for the engine thread (``StepObserver``; tests slow steps down).
     """
 
     def __init__(self, engine_args, served_model_names: list[str] | None, max_waiting_requests: int,
-                 log_interval_s: float, budget_source: str, threads: int, board=None) -> None:
+                 log_interval_s: float, budget_source: str, threads: int, board=None,
+                 observers: tuple = ()) -> None:
         import torch
 
         from segserve import LLMEngine
@@ -46,6 +48,7 @@ class EngineReplica:
         llm_engine = LLMEngine.from_engine_args(engine_args)
         self.app, self.engine = make_server(llm_engine, served_model_names, max_waiting_requests,
                                             log_interval_s, budget_source)
+        self.engine.observers.extend(observers)
         self.metrics = next(o for o in self.engine.observers if isinstance(o, EngineMetrics))
         self.board, self._stop = board, threading.Event()
         if board is not None:
