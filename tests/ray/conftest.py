@@ -68,7 +68,7 @@ def ray_cluster():
 
 @contextmanager
 def deployed(tiny_dir: str, router: str) -> Iterator[tuple[str, object]]:
-    """(base URL, handle) of 2 replicas behind an ingress on 127.0.0.1 and a free port."""
+    """(base URL, app name) of 2 replicas behind an ingress on 127.0.0.1 and a free port."""
     import uvicorn
 
     from segserve.entrypoints.openai.api_server import bind_socket
@@ -76,8 +76,9 @@ def deployed(tiny_dir: str, router: str) -> Iterator[tuple[str, object]]:
     scale = scale_for(router)
     spec = launch.ReplicaSpec(EngineArgs(model=tiny_dir, **TINY_ENGINE), [SERVED_NAME], 256, 5.0, "given",
                               TINY_ENGINE["max_num_seqs"], observers=(StepDelay(STEP_DELAY_S),))
-    handle, board = launch.deploy(scale, spec)
-    app = Ingress(handle, lambda: launch.replica_counts(NUM_REPLICAS), board).app()
+    app_name = f"segserve-{router}"
+    handle, board = launch.deploy(scale, spec, app_name)
+    app = Ingress(handle, lambda: launch.replica_counts(NUM_REPLICAS, app_name), board).app()
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -86,12 +87,12 @@ def deployed(tiny_dir: str, router: str) -> Iterator[tuple[str, object]]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", handle
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app_name
     finally:
         server.should_exit = True
         thread.join(15)
         sock.close()
         from ray import serve
 
-        serve.delete(launch.APP_NAME)
+        serve.delete(app_name)
         ray.kill(board)

@@ -50,7 +50,7 @@ def _stream_lines(base: str, route: str, body: dict) -> tuple[httpx.Response, li
 
 @pytest.fixture(scope="module")
 def affinity(ray_cluster, tiny_dir):
-    with deployed(tiny_dir, "prefix_affinity") as (base, handle):
+    with deployed(tiny_dir, "prefix_affinity") as (base, _):
         yield base
 
 
@@ -157,20 +157,20 @@ def test_client_disconnect_aborts_on_the_replica(affinity):
 
 
 def test_round_robin_splits_groups_and_a_killed_replica_loses_no_unstarted_request(ray_cluster, tiny_dir):
-    with deployed(tiny_dir, "round_robin") as (base, handle):
+    with deployed(tiny_dir, "round_robin") as (base, app_name):
         seen: dict[int, set[str]] = {}
         for g, prompt in group_prompts():
             r = _completion(base, prompt, 2)
             seen.setdefault(g, set()).add(r.headers["x-segserve-replica"])
         assert all(len(s) == NUM_REPLICAS for s in seen.values()), seen
-        _kill_during_burst(base)
+        _kill_during_burst(base, app_name)
 
 
-def _replica_actor_names() -> list[str]:
+def _replica_actor_names(app_name: str) -> list[str]:
     import ray
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("SERVE_REPLICA::segserve#EngineReplica#"))
+                  if a["name"].startswith(f"SERVE_REPLICA::{app_name}#EngineReplica#"))
 
 
 async def _burst(base: str, n: int) -> list[dict]:
@@ -193,10 +193,10 @@ async def _burst(base: str, n: int) -> list[dict]:
         return list(await asyncio.gather(*(one(i, client) for i in range(n))))
 
 
-def _kill_during_burst(base: str) -> None:
+def _kill_during_burst(base: str, app_name: str) -> None:
     import ray
 
-    victim = _replica_actor_names()[0]
+    victim = _replica_actor_names(app_name)[0]
 
     async def run() -> list[dict]:
         task = asyncio.ensure_future(_burst(base, 16))
@@ -216,7 +216,7 @@ def _kill_during_burst(base: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         h = httpx.get(f"{base}/health", timeout=30).json()
-        if h["replicas_running"] == NUM_REPLICAS and victim not in _replica_actor_names():
+        if h["replicas_running"] == NUM_REPLICAS and victim not in _replica_actor_names(app_name):
             break
         time.sleep(1)
-    assert h["replicas_running"] == NUM_REPLICAS and victim not in _replica_actor_names()
+    assert h["replicas_running"] == NUM_REPLICAS and victim not in _replica_actor_names(app_name)

@@ -88,16 +88,17 @@ def router_config(scale: ScaleOut):
     return None
 
 
-def deploy(scale: ScaleOut, spec: ReplicaSpec):
-    """Start Serve (no HTTP proxy: the ingress is this process), the board and the replicas; returns
-    (handle, board) once every replica is up."""
+def deploy(scale: ScaleOut, spec: ReplicaSpec, app_name: str = APP_NAME):
+    """Start Serve (no HTTP proxy: the ingress is this process), the board and the replicas as app
+    ``app_name``; returns (handle, board) once every replica is up. A process keeps one request
+    router per deployment, so another router needs another app name."""
     from ray import serve
 
     from segserve.entrypoints.ray_serve.board import MetricsBoard
     from segserve.entrypoints.ray_serve.replica import EngineReplica
 
     serve.start(proxy_location="Disabled")
-    board = MetricsBoard.options(name=f"{APP_NAME}-metrics-board", get_if_exists=True).remote()
+    board = MetricsBoard.options(name=f"{app_name}-metrics-board", get_if_exists=True).remote()
     threads = str(scale.replica_cpus)
     options = dict(
         name=DEPLOYMENT, num_replicas=scale.num_replicas,
@@ -113,16 +114,16 @@ def deploy(scale: ScaleOut, spec: ReplicaSpec):
     app = serve.deployment(EngineReplica).options(**options).bind(
         spec.engine_args, spec.served_model_names, spec.max_waiting_requests, spec.log_interval_s,
         spec.budget_source, scale.replica_cpus, board, spec.observers)
-    handle = serve.run(app, name=APP_NAME, route_prefix=None)
+    handle = serve.run(app, name=app_name, route_prefix=None)
     return handle, board
 
 
-def replica_counts(target: int) -> tuple[int, int]:
+def replica_counts(target: int, app_name: str = APP_NAME) -> tuple[int, int]:
     """(running, target) replicas of the deployment, from Serve's status."""
     from ray import serve
 
     try:
-        dep = serve.status().applications[APP_NAME].deployments[DEPLOYMENT]
+        dep = serve.status().applications[app_name].deployments[DEPLOYMENT]
     except KeyError:
         return 0, target
     return dep.replica_states.get("RUNNING", 0), target
