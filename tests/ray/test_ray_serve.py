@@ -205,6 +205,10 @@ def _kill_during_burst(base: str, app_name: str) -> None:
         return await task
 
     results = asyncio.run(run())
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    hit = sum(float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith(("segserve:replica_retries_total", "segserve:replica_lost_streams_total")))
+    assert hit >= 1, "the killed replica served nothing in flight: the test did not test"
     assert all(r["status"] == 200 for r in results), results
     # Non-streamed requests send nothing before they finish: the ingress retried every lost one.
     assert all(r["complete"] for r in results if not r["streamed"]), results

@@ -4,9 +4,10 @@ replica's answer byte for byte, so routes, streaming and error shapes are the si
 
 Its own routes: ``GET /health`` (200 while at least one replica runs, with the counts; 503 in
 OpenAI's error shape when none does) and ``GET /metrics`` (every replica's metrics, ``replica`` label
-added). A replica that dies before the first byte of its answer reached the client is retried on
-another (``MAX_ATTEMPTS`` in all); one that dies later ends a stream with an error event and
-``[DONE]``. A client that disconnects cancels the replica call, which aborts the request there.
+added, then the ingress's counters ``segserve:replica_retries`` and ``segserve:replica_lost_streams``).
+A replica that dies before the first byte of its answer reached the client is retried on another
+(``MAX_ATTEMPTS`` in all); one that dies later ends a stream with an error event and ``[DONE]``.
+A client that disconnects cancels the replica call, which aborts the request there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from segserve.entrypoints.ray_serve.asgi_bridge import HttpRequest
 from segserve.entrypoints.ray_serve.board import merge
@@ -75,6 +76,11 @@ class Ingress:
         self.handle = handle.options(stream=True)
         self.status = status
         self.board = board
+        self.registry = CollectorRegistry()
+        self.retries = Counter("segserve:replica_retries", "Requests sent again because their replica "
+                               "died before the first byte of its answer", registry=self.registry)
+        self.lost = Counter("segserve:replica_lost_streams", "Answers cut because their replica died "
+                            "after the first byte", registry=self.registry)
 
     def app(self) -> FastAPI:
         app = FastAPI(title="segserve OpenAI-compatible server (Ray Serve replicas)")
@@ -91,7 +97,8 @@ class Ingress:
         @app.get("/metrics")
         async def metrics() -> Response:
             texts = await self.board.fresh.remote()
-            return Response(merge(texts), media_type=CONTENT_TYPE_LATEST)
+            own = generate_latest(self.registry).decode()
+            return Response(merge(texts) + own, media_type=CONTENT_TYPE_LATEST)
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
         async def forward(raw: Request, path: str) -> Response:
@@ -110,6 +117,7 @@ class Ingress:
                 start, first = await _until_first_body(gen, raw)
             except _REPLICA_GONE as exc:
                 gen.cancel()
+                self.retries.inc()
                 log.warning("replica lost before answering (attempt %d of %d): %s", attempt, MAX_ATTEMPTS,
                             type(exc).__name__)
                 continue
@@ -124,7 +132,7 @@ class Ingress:
             if not first.get("more_body", False):
                 return Response(first.get("body", b""), status_code=start["status"], headers=headers)
             media = headers.pop("content-type", None)
-            return StreamingResponse(_relay(gen, first, media), status_code=start["status"],
+            return StreamingResponse(_relay(gen, first, media, self.lost), status_code=start["status"],
                                      headers=headers, media_type=media)
         return error_body(503, f"every replica tried ({MAX_ATTEMPTS}) died before answering", "server_error",
                           "replica_died")
@@ -157,7 +165,7 @@ async def _disconnected(raw: Request) -> None:
         pass
 
 
-async def _relay(gen, first: dict, media: str | None) -> AsyncIterator[bytes]:
+async def _relay(gen, first: dict, media: str | None, lost: Counter) -> AsyncIterator[bytes]:
     """The body: the first chunk, then the rest; a replica lost mid-stream ends an event stream with an
     error event and ``[DONE]``. Closing this iterator (client gone) cancels the replica call."""
     try:
@@ -168,6 +176,7 @@ async def _relay(gen, first: dict, media: str | None) -> AsyncIterator[bytes]:
                 if not message.get("more_body", False):
                     return
     except _REPLICA_GONE as exc:
+        lost.inc()
         log.warning("replica lost mid-stream: %s", type(exc).__name__)
         if media and media.startswith("text/event-stream"):
             err = {"error": {"message": f"the replica serving this request died: {type(exc).__name__}",

@@ -184,10 +184,12 @@ def run_cluster(args: argparse.Namespace, budget_source: str) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     spec = ReplicaSpec(engine_args, args.served_model_name, args.max_waiting_requests, args.log_interval,
                        budget_source, engine_args.max_num_seqs)
-    # SIGTERM stops like Ctrl-C: uvicorn handles both, then serve_replicas cleans up.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with serve_replicas(scale, spec) as dep:
+            # SIGTERM stops like Ctrl-C (uvicorn re-raises what it caught once it has stopped; Ray's
+            # own handler, installed by ray.init, would exit with status 15), then serve_replicas
+            # cleans up.
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
             log.info("serving on http://%s:%d", *sock.getsockname()[:2])
             uvicorn.Server(uvicorn.Config(dep.app, log_level="info")).run(sockets=[sock])
     except KeyboardInterrupt:

@@ -1,0 +1,85 @@
+"""``segserve serve`` scale-out flags: bad ones fail at start-up with one line naming the flag (no Ray
+started, no model loaded); SIGTERM stops Ray and every replica it started."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from segserve.entrypoints.cli import main
+from segserve.entrypoints.ray_serve.settings import machine_cpus
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-replicas", "0"], "error: --num-replicas must be >= 1, got 0"),
+    (["--num-replicas", "2", "--replica-cpus", "0"], "error: --replica-cpus must be >= 1, got 0"),
+    (["--num-replicas", "2", "--replica-cpus", "4096"],
+     f"error: --replica-cpus 4096 x --num-replicas 2 = 8192 CPUs, more than this machine's {machine_cpus()}"),
+    (["--num-replicas", "2", "--router-match-rate-threshold", "2"],
+     "error: --router-match-rate-threshold must be in [0, 1], got 2.0"),
+    (["--ray-address", "127.0.0.1:1"], "error: --ray-address 127.0.0.1:1: unreachable ("),
+])
+def test_bad_flags_fail_in_one_line(flags, message, capsys):
+    t0 = time.monotonic()
+    assert main(["serve", "--max-num-batched-tokens", "256", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert time.monotonic() - t0 < 10
+
+
+def _session_processes(marker: str) -> list[int]:
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(marker in part for part in p.info["cmdline"] or ()):
+                pids.append(p.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return pids
+
+
+@pytest.mark.ray
+def test_sigterm_stops_ray_and_replicas(tiny_dir):
+    pytest.importorskip("ray")
+    # The cluster's session dir lands here; short, as Ray's socket paths must fit 107 bytes.
+    tmp = tempfile.mkdtemp(prefix="ssig-", dir="/tmp")
+    try:
+        _serve_then_sigterm(tiny_dir, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _serve_then_sigterm(tiny_dir: str, tmp: str) -> None:
+    env = {**os.environ, "TMPDIR": tmp}
+    cmd = [sys.executable, "-m", "segserve.entrypoints.cli", "serve", "--model", tiny_dir, "--port", "0",
+           "--num-replicas", "2", "--replica-cpus", "1", "--max-num-batched-tokens", "256",
+           "--max-model-len", "128", "--num-kv-blocks", "65"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "serving on http://" in line or not line:
+                break
+        assert any("serving on http://" in x for x in lines), "".join(lines)
+        assert len(_session_processes(tmp)) >= 2  # gcs_server, raylet, ... (their args name the dir)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while _session_processes(tmp) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(tmp) == []
