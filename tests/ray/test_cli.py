@@ -48,6 +48,7 @@ def _session_processes(marker: str) -> list[int]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_sigterm_stops_ray_and_replicas(tiny_dir):
     pytest.importorskip("ray")
     # The cluster's session dir lands here; short, as Ray's socket paths must fit 107 bytes.
@@ -83,3 +84,15 @@ def _serve_then_sigterm(tiny_dir: str, tmp: str) -> None:
     while _session_processes(tmp) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _session_processes(tmp) == []
+
+
+def test_one_replica_needs_no_ray():
+    code = ("import sys; from segserve.entrypoints.cli import build_parser; "
+            "from segserve.entrypoints.ray_serve.settings import wants_ray; "
+            "a = build_parser().parse_args(['serve']); "
+            "print(wants_ray(a), a.num_replicas, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "1", "False"]
+    code2 = code.replace("['serve']", "['serve', '--num-replicas', '2']")
+    two = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True, check=True).stdout
+    assert two.split() == ["True", "2", "False"]  # flags parsed, Ray still not imported

@@ -19,7 +19,7 @@ import pytest
 from tests.ray.conftest import NUM_REPLICAS, deployed
 from tests.server.harness import SERVED_NAME, sse_events
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 WORDS = ("quick brown fox jumps over the lazy dog paged attention keeps cache blocks chunked prefill "
          "splits long prompt pieces share step decodes").split()
