@@ -34,17 +34,23 @@ def test_bad_flags_fail_in_one_line(flags, message, capsys):
     assert time.monotonic() - t0 < 10
 
 
-def _session_processes(marker: str) -> list[int]:
+def _alive(pids: list[int]) -> list[int]:
     import psutil
 
-    pids = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _listening_addresses(pids: list[int]) -> set[str]:
+    import psutil
+
+    out = set()
+    for pid in pids:
         try:
-            if any(marker in part for part in p.info["cmdline"] or ()):
-                pids.append(p.info["pid"])
+            conns = psutil.Process(pid).net_connections(kind="inet")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return pids
+        out |= {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN}
+    return out
 
 
 @pytest.mark.ray
@@ -65,7 +71,7 @@ def _serve_then_sigterm(tiny_dir: str, tmp: str) -> None:
            "--num-replicas", "2", "--replica-cpus", "1", "--max-num-batched-tokens", "256",
            "--max-model-len", "128", "--num-kv-blocks", "65"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    lines, family = [], []
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -74,16 +80,21 @@ def _serve_then_sigterm(tiny_dir: str, tmp: str) -> None:
             if "serving on http://" in line or not line:
                 break
         assert any("serving on http://" in x for x in lines), "".join(lines)
-        assert len(_session_processes(tmp)) >= 2  # gcs_server, raylet, ... (their args name the dir)
+        import psutil
+
+        # Ray's daemons, its workers (the replicas among them) and the ingress: all under this process.
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) >= 5, family  # gcs_server, raylet, controller, 2 replicas, ...
+        assert _listening_addresses(family) == {"127.0.0.1"}  # every Ray service on loopback only
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
     deadline = time.monotonic() + 30
-    while _session_processes(tmp) and time.monotonic() < deadline:
+    while _alive(family) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _session_processes(tmp) == []
+    assert _alive(family) == []
 
 
 def test_one_replica_needs_no_ray():

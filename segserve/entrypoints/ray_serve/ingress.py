@@ -84,6 +84,7 @@ class Ingress:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="segserve OpenAI-compatible server (Ray Serve replicas)")
+        app.state.ingress = self
 
         @app.get("/health")
         async def health() -> Response:
