@@ -3,6 +3,7 @@ started, no model loaded); SIGTERM stops Ray and every replica it started."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
@@ -38,6 +39,11 @@ def _alive(pids: list[int]) -> list[int]:
     import psutil
 
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
 def _listening_addresses(pids: list[int]) -> set[str]:
@@ -85,7 +91,8 @@ def _serve_then_sigterm(tiny_dir: str, tmp: str) -> None:
         # Ray's daemons, its workers (the replicas among them) and the ingress: all under this process.
         family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert len(family) >= 5, family  # gcs_server, raylet, controller, 2 replicas, ...
-        assert _listening_addresses(family) == {"127.0.0.1"}  # every Ray service on loopback only
+        addrs = _listening_addresses(family)
+        assert addrs and all(_loopback(a) for a in addrs), addrs  # every Ray service on loopback only
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
     finally:

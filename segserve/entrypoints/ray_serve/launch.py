@@ -44,10 +44,15 @@ def start_ray(scale: ScaleOut, num_cpus: int | None = None) -> bool:
         ValueError: ``--ray-address`` cannot be reached (one line naming the flag).
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if scale.ray_address is None:
+        # Ray's single-machine mode: the node address is 127.0.0.1, so every service binds loopback.
+        # The variable reaches Ray's daemons and workers; the constant covers a Ray imported earlier.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
+    from ray._private import ray_constants
 
     if scale.ray_address is None:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback-only single-machine mode
+        ray_constants.ENABLE_RAY_CLUSTER = False
         _LOCAL_TEMP_DIRS.append(tempfile.mkdtemp(prefix="segserve-ray-"))
         ray.init(address="local", include_dashboard=False, num_cpus=num_cpus or scale.available_cpus,
                  log_to_driver=False, configure_logging=False, _temp_dir=_LOCAL_TEMP_DIRS[-1])
@@ -113,7 +118,7 @@ def deploy(scale: ScaleOut, spec: ReplicaSpec, app_name: str = APP_NAME):
         options["request_router_config"] = rc
     app = serve.deployment(EngineReplica).options(**options).bind(
         spec.engine_args, spec.served_model_names, spec.max_waiting_requests, spec.log_interval_s,
-        spec.budget_source, scale.replica_cpus, board, spec.observers)
+        spec.budget_source, scale.replica_cpus, board, spec.observers, scale.ray_address is None)
     handle = serve.run(app, name=app_name, route_prefix=None)
     return handle, board
 

@@ -32,11 +32,12 @@ class EngineReplica:
         threads: torch intra-op threads (the replica's reserved CPUs).
         board: the metrics board actor (``board.MetricsBoard``), or None.
         observers: extra step observers for the engine thread (``StepObserver``; tests slow steps down).
+        loopback_only: a local cluster: bind Serve's per-replica gRPC server to 127.0.0.1.
     """
 
     def __init__(self, engine_args, served_model_names: list[str] | None, max_waiting_requests: int,
                  log_interval_s: float, budget_source: str, threads: int, board=None,
-                 observers: tuple = ()) -> None:
+                 observers: tuple = (), loopback_only: bool = False) -> None:
         import torch
 
         from segserve import LLMEngine
@@ -44,6 +45,8 @@ class EngineReplica:
         from segserve.entrypoints.openai.metrics import EngineMetrics
 
         torch.set_num_threads(threads)
+        if loopback_only:
+            _serve_grpc_on_loopback()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         llm_engine = LLMEngine.from_engine_args(engine_args)
         self.app, self.engine = make_server(llm_engine, served_model_names, max_waiting_requests,
@@ -84,3 +87,17 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout_s=5.0)
+
+
+def _serve_grpc_on_loopback() -> None:
+    """Serve 2.60 starts an inter-deployment gRPC server in every replica, after the user class is
+    built, on ``[::]:0`` (all interfaces, no setting); a local cluster's replica binds it to loopback.
+    Private API, checked against the pinned Ray: a renamed hook fails here, loudly."""
+    from ray.serve._private import replica as serve_replica
+
+    original = serve_replica.add_port_to_grpc_server
+
+    def loopback(server, address: str) -> int:
+        return original(server, address.replace("[::]", "127.0.0.1", 1))
+
+    serve_replica.add_port_to_grpc_server = loopback
