@@ -183,6 +183,13 @@ class OpenAIServing:
                               f"{param} has {num_chars} characters, more than any text of "
                               f"{self.max_model_len} tokens can have ({self.max_prompt_chars})", param)
 
+    def check_top_k(self, req: p.SamplingFields) -> None:
+        """ApiError(400) for ``top_k`` beyond the vocabulary, even when greedy decoding ignores it."""
+        vocab = self.llm.loaded.config.vocab_size
+        if req.top_k is not None and req.top_k > vocab:
+            raise bad_request(f"top_k must be 0 or -1 (disabled) or in [1, {vocab}] (the vocabulary size), "
+                              f"got {req.top_k}", "top_k")
+
     def check_servable(self, params: SamplingParams) -> None:
         """ApiError(400) for a request no amount of waiting lets in: ``n`` above the waiting queue."""
         limit = self.engine.max_waiting_requests
@@ -274,6 +281,7 @@ class OpenAIServing:
                               "echo" if req.echo else "logprobs")
         if req.best_of not in (None, req.n):
             raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
+        self.check_top_k(req)
         params = sampling_params(req, req.max_tokens)
         self.check_servable(params)
         # Tokenizing a long prompt takes a while: off the event loop, so other requests go on.
@@ -297,6 +305,7 @@ class OpenAIServing:
         if req.logprobs or req.top_logprobs:
             raise bad_request("logprobs are not supported by this server", "logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self.check_top_k(req)
         params = sampling_params(req, max_tokens)
         self.check_servable(params)
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, self.chat_messages(req))
