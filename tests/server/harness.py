@@ -30,6 +30,7 @@ class ServerHandle:
 
     base_url: str
     engine: Any  # AsyncLLMEngine
+    app: Any = None  # the FastAPI app (``app.state.serving``: its OpenAIServing)
 
     def on_engine(self, fn, timeout_s: float = 30.0):
         """Run ``fn()`` on the engine thread (the only thread allowed to touch the engine)."""
@@ -93,7 +94,7 @@ def running_server(llm_engine, max_waiting_requests: int = 256,
     assert server.started, "server did not start within 30 s"
     host, port = sock.getsockname()[:2]
     try:
-        yield ServerHandle(f"http://{host}:{port}", engine), throttle
+        yield ServerHandle(f"http://{host}:{port}", engine, app), throttle
     finally:
         server.should_exit = True
         thread.join(15)

@@ -30,3 +30,50 @@ def test_step_failure_answers_503_and_health_fails(tiny_loaded, caplog):
         health = httpx.get(f"{handle.base_url}/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         assert "simulated" not in health.text and health.headers["retry-after"] == "1"
+
+
+def test_internal_error_is_a_generic_500_with_an_id_in_the_log(tiny_server, caplog):
+    """An unexpected exception in a handler: 500, no repr to the client, the id next to the traceback
+    in the log; mid-stream it is an error event, then ``[DONE]``."""
+    import re
+
+    from tests.server.harness import sse_events
+
+    handle, _ = tiny_server
+    app_serving = handle.app.state.serving
+    original = app_serving.check_model
+
+    def broken(name):
+        raise RuntimeError("secret internal detail")
+
+    app_serving.check_model = broken
+    try:
+        r = httpx.post(f"{handle.base_url}/v1/completions", json={"model": SERVED_NAME, "prompt": "hi"})
+    finally:
+        app_serving.check_model = original
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert "secret" not in r.text and error["type"] == "server_error" and error["code"] == "internal_error"
+    error_id = re.fullmatch(r"internal server error \(id ([0-9a-f]{16}); the server log has the details\)",
+                            error["message"]).group(1)
+    logged = [rec for rec in caplog.records if error_id in rec.getMessage()]
+    assert logged and "secret internal detail" in str(logged[0].exc_info[1])
+
+    import segserve.entrypoints.openai.serving as serving_mod
+
+    original_delta = serving_mod._completion_delta
+
+    def broken_delta(deltas, c):
+        raise KeyError("secret stream detail")
+
+    serving_mod._completion_delta = broken_delta
+    try:
+        body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body) as s:
+            events = sse_events(list(s.iter_lines()))
+    finally:
+        serving_mod._completion_delta = original_delta
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
+    assert "secret" not in str(events)
+    handle.assert_idle_and_clean()
+

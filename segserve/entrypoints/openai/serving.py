@@ -292,7 +292,7 @@ class OpenAIServing:
         if req.stream:
             events = _completion_events(until_disconnected(stream, raw), stream.request_id, model,
                                         req.include_usage)
-            return StreamingResponse(_guard(events), media_type="text/event-stream")
+            return StreamingResponse(_guard(events, stream), media_type="text/event-stream")
         final = await _last(until_disconnected(stream, raw))
         choices = [p.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                       stop_reason=c.stop_reason) for c in final.outputs]
@@ -315,7 +315,7 @@ class OpenAIServing:
         if req.stream:
             events = _chat_events(until_disconnected(stream, raw), stream.request_id, model, req.n,
                                   req.include_usage)
-            return StreamingResponse(_guard(events), media_type="text/event-stream")
+            return StreamingResponse(_guard(events, stream), media_type="text/event-stream")
         final = await _last(until_disconnected(stream, raw))
         choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
@@ -350,8 +350,9 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-async def _guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """End a stream cleanly: an engine failure becomes an error event; ``[DONE]`` always closes it."""
+async def _guard(events: AsyncIterator[str], stream: OutputStream) -> AsyncIterator[str]:
+    """End a stream cleanly: an engine failure becomes an error event; ``[DONE]`` always closes it;
+    the request is aborted if the events stopped before it finished (its blocks go back at once)."""
     try:
         async for event in events:
             yield event
@@ -359,6 +360,8 @@ async def _guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield _sse_error(engine_error(exc))
     except Exception as exc:  # noqa: BLE001 - the stream has started: the client gets an error event
         yield _sse_error(internal_error(exc))
+    finally:
+        stream.abort_if_unfinished()
     yield "data: [DONE]\n\n"
 
 
