@@ -59,11 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the engine thread and serve until interrupted."""
+    """Load the model, start the engine thread and serve until SIGTERM/SIGINT; then shut down within
+    ``--shutdown-grace-period`` and exit the process with status 0 (``shutdown.exit_now``)."""
     from segserve import LLMEngine
     from segserve.engine.step_monitor import StepErrorMonitor
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
-    from segserve.entrypoints.openai.shutdown import serve
+    from segserve.entrypoints.openai.shutdown import exit_now, serve
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
@@ -92,7 +93,8 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])
     serve(app, sock, engine, args.shutdown_grace_period)
-    return 0
+    exit_now(0)
+    return 0  # not reached
 
 
 def _step_profile(args: argparse.Namespace):
