@@ -43,6 +43,23 @@ METRICS: Responses = {
 MODELS: Responses = {200: {"description": "the served models"}}
 
 
+def _sse_event(model_name: str) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 reads an event stream's ``schema`` as one event): its data is
+    ``[DONE]`` or a JSON ``model_name`` or ``ErrorResponse``."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{model_name}"},
+                         {"$ref": "#/components/schemas/ErrorResponse"}]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"anyOf": [{"type": "string", "const": "[DONE]"},
+                               {"type": "string", "contentMediaType": "application/json",
+                                "contentSchema": payload}]},
+        },
+    }
+
+
 def generation(response: type[BaseModel], chunk: type[BaseModel] | None = None) -> Responses:
     """Responses of a generation route: ``response`` as JSON, or server-sent events with
     ``stream: true`` (each ``data:`` line one ``chunk``, or ``response`` when ``chunk`` is None; an
@@ -52,8 +69,8 @@ def generation(response: type[BaseModel], chunk: type[BaseModel] | None = None) 
         200: {
             "model": response,
             "description": f"`{response.__name__}`; with `stream: true`, server-sent events whose data lines "
-            f"are `{event}` objects, then `[DONE]`",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            f"are `{event}` objects (an `ErrorResponse` if the request fails mid-stream), then `[DONE]`",
+            "content": {"text/event-stream": {"schema": _sse_event(event)}},
         },
         400: _error("invalid request: a field out of range or of the wrong type, a prompt too long for "
                     "max_model_len, malformed JSON"),

@@ -40,6 +40,17 @@ class StrictRequest(BaseModel):
         fields = cls.model_fields
         return {k: v for k, v in data.items() if not (v is None and k in fields and _has_default(fields[k]))}
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        # The OpenAPI document tells the truth: a field whose null means its default accepts null.
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        for name, prop in target.get("properties", {}).items():
+            if name in cls.model_fields and _has_default(cls.model_fields[name]) and "anyOf" not in prop:
+                keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+                target["properties"][name] = {"anyOf": [dict(prop), {"type": "null"}], **keep}
+        return schema
+
 
 def _has_default(field) -> bool:
     """True for an optional field whose type has no ``null``."""
