@@ -183,3 +183,20 @@ def test_n_above_the_waiting_queue_is_400_and_a_full_queue_503_has_retry_after(t
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "queue_full"
         handle.assert_idle_and_clean()
+
+
+def test_validation_messages_name_the_field_path_and_the_value(tiny_server):
+    handle, _ = tiny_server
+    cases = [
+        (CMPL, {**GOOD, "prompt": [[False]]}, "prompt",
+         "prompt.0.0: Input should be a valid integer (got false)"),
+        (CMPL, {**GOOD, "stop": 5}, "stop", "stop: Input should be a valid string (got 5)"),
+        (CMPL, {**GOOD, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
+         "stream_options.include_usage: Input should be a valid boolean (got 1)"),
+        (CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "text": "a"}]}]},
+         "messages", "messages.0.content.0.type: Input should be 'text' (got 'image_url')"),
+    ]
+    for path, body, param, message in cases:
+        r = httpx.post(handle.base_url + path, json=body)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == param and r.json()["error"]["message"] == message

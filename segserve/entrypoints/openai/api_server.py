@@ -31,14 +31,26 @@ logger = logging.getLogger("segserve")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) of pydantic's first complaint about a body."""
-    err = exc.errors()[0]
+    """(message, param) of pydantic's complaint about the first bad field of a body. A field of
+    several accepted types (``prompt``) gets one complaint per type; the one that got furthest into
+    the value says best what is wrong (``prompt: [[false]]`` -> ``prompt.0.0`` is not an integer)."""
+    errors = exc.errors()
+    err = errors[0]
     if err.get("type") == "json_invalid":
         return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(err.get("loc", ()))[:2]]
+    err = max(same_field, key=lambda e: len(e.get("loc", ())))
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
     return f"{where}: {err.get('msg')} (got {quote(err.get('input'))})", param
+
+
+def _is_union_tag(part: object) -> bool:
+    """True for the member names pydantic puts in an error's location (``str``, ``list[int]``,
+    ``TextPart``), which are no part of the client's field path."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part
+                                      or part in {"str", "int", "float", "bool", "list", "dict"})
 
 
 def _install_error_handlers(app: FastAPI) -> None:
