@@ -117,6 +117,34 @@ def test_prompt_too_long_in_characters_is_refused_without_tokenizing(tiny_server
     _good(handle.base_url)
 
 
+@pytest.fixture(scope="module")
+def large_limit_server(tiny_loaded):
+    from segserve import LLMEngine
+    from tests.server.conftest import TINY_ENGINE
+
+    with running_server(LLMEngine(tiny_loaded, **TINY_ENGINE), max_request_body_bytes=64 * 2**20) as hs:
+        yield hs
+
+
+def test_giant_prompts_under_a_raised_body_limit_are_refused_without_ratcheting_memory(large_limit_server):
+    """With the body limit raised above 20 MB, the body is parsed and the character bound refuses it:
+    quickly, and memory does not ratchet from one refused request to the next."""
+    handle, _ = large_limit_server
+    bodies = [_giant_body(), json.dumps({"model": SERVED_NAME, "messages": [
+        {"role": "user", "content": "a" * 20_000_000}]}).encode()]
+    proc = psutil.Process()
+    after_first = None
+    for i in range(10):
+        t0 = time.perf_counter()
+        r = httpx.post(handle.base_url + (CMPL, CHAT)[i % 2], content=bodies[i % 2], headers=JSON, timeout=60)
+        assert time.perf_counter() - t0 < 5.0
+        assert r.status_code == 400 and "characters, more than any text of 128 tokens" in r.text
+        after_first = after_first or proc.memory_info().rss
+    ratchet = proc.memory_info().rss - after_first
+    assert ratchet < 32 * 2**20, f"resident memory grew {ratchet / 2**20:.0f} MiB over 9 more refusals"
+    _good(handle.base_url)
+
+
 def test_errors_quote_only_a_short_prefix_of_the_bad_value(tiny_server):
     handle, _ = tiny_server
     cases = [

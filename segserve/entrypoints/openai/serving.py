@@ -179,8 +179,9 @@ class OpenAIServing:
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         """ApiError(400) for a text too long to fit ``max_model_len`` tokens, before tokenizing it."""
         if num_chars > self.max_prompt_chars:
+            verb = "have" if param == "messages" else "has"
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the "
-                              f"{param} has {num_chars} characters, more than any text of "
+                              f"{param} {verb} {num_chars} characters, more than any text of "
                               f"{self.max_model_len} tokens can have ({self.max_prompt_chars})", param)
 
     def check_top_k(self, req: p.SamplingFields) -> None:
