@@ -75,8 +75,18 @@ def test_sigterm_with_a_stalled_half_request_and_a_long_stream_exits_0_within_gr
         long_out, short_out = {}, {}
         long_t = threading.Thread(target=_stream, args=(base, 100, long_out))
         short_t = threading.Thread(target=_stream, args=(base, 6, short_out))
+        whole_out: dict = {}
+
+        def whole() -> None:  # a non-streaming long request: it gets a 503 when aborted
+            body = {"model": SERVED_NAME, "prompt": "Paged attention", "max_tokens": 100,
+                    "ignore_eos": True}
+            r = httpx.post(base + "/v1/completions", json=body, timeout=30)
+            whole_out.update(status=r.status_code, body=r.json(), retry=r.headers.get("retry-after"))
+
+        whole_t = threading.Thread(target=whole)
         long_t.start()
         short_t.start()
+        whole_t.start()
         # Half a request: headers that promise a body, a few bytes of it, then silence.
         port = int(base.rsplit(":", 1)[1])
         stalled = socket.create_connection(("127.0.0.1", port))
@@ -92,6 +102,7 @@ def test_sigterm_with_a_stalled_half_request_and_a_long_stream_exits_0_within_gr
         elapsed = time.monotonic() - t0
         long_t.join(10)
         short_t.join(10)
+        whole_t.join(10)
         stalled.close()
         log = proc.stderr.read()
     finally:
@@ -111,6 +122,8 @@ def test_sigterm_with_a_stalled_half_request_and_a_long_stream_exits_0_within_gr
     assert error["code"] == "shutting_down" and error["message"].startswith("the server is shutting down")
     texts = [json.loads(e) for e in long_out["events"][:-2]]
     assert 0 < len(texts) < 100
+    assert whole_out["status"] == 503 and whole_out["retry"] == "1"
+    assert whole_out["body"]["error"]["code"] == "shutting_down"
     # New connections are refused once the signal arrived.
     with pytest.raises(httpx.ConnectError):
         httpx.get(base + "/health", timeout=2)
