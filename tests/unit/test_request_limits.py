@@ -74,3 +74,18 @@ def test_seeds_are_bounded_to_64_bits_and_children_stay_in_range():
         assert -(2**63) <= child < 2**63
         # The same 64 bits as before the bound: the child's sampled tokens are unchanged.
         assert child % 2**64 == mix_seed(2**63 - 1, -1 - index)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1, got 0"),
+    (["--shutdown-grace-period", "-1"], "--shutdown-grace-period must be >= 0 seconds, got -1.0"),
+    (["--shutdown-grace-period", "nan"], "--shutdown-grace-period must be >= 0 seconds, got nan"),
+])
+def test_serve_flags_fail_before_any_model_loads(flags, message, capsys):
+    from segserve.entrypoints.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_request_body_bytes, args.shutdown_grace_period, args.cache_salt_by_api_key) == (
+        8 * 2**20, 10.0, False)
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
