@@ -23,9 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from segserve.engine.async_engine import AsyncLLMEngine
 from segserve.entrypoints.openai import openapi
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai.errors import ApiError, internal_error
 from segserve.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, quote
 from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
-from segserve.entrypoints.openai.serving import ApiError, OpenAIServing, internal_error
+from segserve.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("segserve")
 

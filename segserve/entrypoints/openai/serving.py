@@ -13,78 +13,23 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from segserve.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     OutputStream,
     QueueFullError,
-    ShuttingDownError,
 )
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai.errors import ApiError, bad_request, engine_error, internal_error
 from segserve.entrypoints.openai.limits import max_prompt_chars, printable
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("segserve")
-
-
-@dataclass
-class ApiError(Exception):
-    """An error answered in OpenAI's shape with an HTTP status."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    headers: dict[str, str] | None = None
-
-    def response(self) -> JSONResponse:
-        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        headers = dict(self.headers or {})
-        if self.status == 503:
-            headers.setdefault("Retry-After", str(RETRY_AFTER_S))
-        return AsciiJSONResponse(p.ErrorResponse(error=info).model_dump(), status_code=self.status,
-                                 headers=headers)
-
-
-# Seconds a client told 503 waits before retrying: about one waiting request's time in the queue.
-RETRY_AFTER_S = 1
-
-
-class AsciiJSONResponse(JSONResponse):
-    """JSON with every non-ASCII character escaped: an error message that quotes a client's lone
-    surrogate still encodes (UTF-8 cannot), so an error never turns into a 500."""
-
-    def render(self, content) -> bytes:
-        import json
-
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
-def engine_error(exc: EngineDeadError) -> ApiError:
-    """503 for a request the engine cannot run: shutting down, or its loop died (details in the log)."""
-    if isinstance(exc, ShuttingDownError):
-        return ApiError(503, f"the server is shutting down: {exc}", type="server_error", code="shutting_down")
-    return ApiError(503, "the engine loop is not running (see the server log)", type="server_error",
-                    code="engine_dead")
-
-
-def internal_error(exc: BaseException) -> ApiError:
-    """500 with a generic message and an id; the id and the traceback go to the log, never to the client."""
-    error_id = uuid.uuid4().hex[:16]
-    logger.error("internal error %s", error_id, exc_info=exc)
-    return ApiError(500, f"internal server error (id {error_id}; the server log has the details)",
-                    type="server_error", code="internal_error")
 
 
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
