@@ -117,6 +117,25 @@ def test_prompt_too_long_in_characters_is_refused_without_tokenizing(tiny_server
     _good(handle.base_url)
 
 
+def test_a_client_waiting_for_100_continue_gets_413_without_sending_the_body(tiny_server):
+    import socket
+
+    handle, _ = tiny_server
+    host, port = handle.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 20000000\r\nExpect: 100-continue\r\n\r\n")
+        answer = b""
+        while b"--max-request-body-bytes" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer
+    assert b"request body is 20000000 bytes, above the limit of 8388608 bytes" in answer
+    _good(handle.base_url)
+
+
 @pytest.fixture(scope="module")
 def large_limit_server(tiny_loaded):
     from segserve import LLMEngine

@@ -95,10 +95,12 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await _drain(receive, _DRAIN_BYTES)
-            await self._refuse(send, f"{declared} bytes")
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            # A client that waits for "100 Continue" never sends the body: answer at once.
+            if (_header(scope, b"expect") or "").lower() != "100-continue":
+                await _drain(receive, _DRAIN_BYTES)
+            await self._refuse(send, f"{int(declared)} bytes")
             return
         chunks, size = [], 0
         while True:
@@ -129,13 +131,10 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": payload})
 
 
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1").strip()
     return None
 
 
