@@ -182,6 +182,10 @@ def test_n_above_the_waiting_queue_is_400_and_a_full_queue_503_has_retry_after(t
             t.join(60)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "queue_full"
+        # n above max_num_seqs=1 is servable (the completions run one after another): not refused.
+        r = httpx.post(handle.base_url + CMPL, json={**GOOD, "n": 2, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
+        assert r.json()["usage"]["completion_tokens"] == 6
         handle.assert_idle_and_clean()
 
 
