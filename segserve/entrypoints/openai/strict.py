@@ -27,10 +27,12 @@ MAX_TEMPERATURE = 2.0
 
 
 class StrictRequest(BaseModel):
-    """Base of every request model: strict types, finite numbers, unknown keys ignored (as vLLM does),
-    and ``null`` for a non-nullable optional field replaced by the field's default."""
+    """Base of every request model: strict types, finite numbers, and ``null`` for a non-nullable
+    optional field replaced by the field's default. What happens to unknown keys is left to the
+    models (pydantic's default ignores them; a model may set ``extra`` itself): the null rule only
+    touches declared fields."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
