@@ -36,6 +36,11 @@ _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "mi
                 "stop_token_ids", "seed", "prompt", "messages")
 
 
+def _short(exc: Exception) -> str:
+    """An engine ``ValueError`` as a client message: its values can be a client's giant ``stop`` list."""
+    return printable(str(exc), 200)
+
+
 def _param_of(message: str) -> str | None:
     """The request field an engine ``ValueError`` message is about (its messages start with the name)."""
     first = message.split(" ", 1)[0]
@@ -54,7 +59,7 @@ def sampling_params(req: p.SamplingFields, max_tokens: int | None) -> SamplingPa
                               min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                               stop_token_ids=req.stop_token_ids, **optional)
     except ValueError as exc:
-        raise bad_request(str(exc), _param_of(str(exc))) from None
+        raise bad_request(_short(exc), _param_of(str(exc))) from None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -163,7 +168,7 @@ class OpenAIServing:
         try:
             return self.llm.tokenize(prompt)[1]
         except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from None
+            raise bad_request(_short(exc), "prompt") from None
 
     def chat_messages(self, req: p.ChatCompletionRequest) -> list[dict[str, str]]:
         """The conversation as template input, checked for length before rendering."""
@@ -216,7 +221,7 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise engine_error(exc) from None
         except ValueError as exc:
-            raise bad_request(str(exc), _param_of(str(exc))) from None
+            raise bad_request(_short(exc), _param_of(str(exc))) from None
 
     # ---- completions --------------------------------------------------------------------------------
 
