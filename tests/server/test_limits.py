@@ -152,15 +152,17 @@ def test_giant_prompts_under_a_raised_body_limit_are_refused_without_ratcheting_
     bodies = [_giant_body(), json.dumps({"model": SERVED_NAME, "messages": [
         {"role": "user", "content": "a" * 20_000_000}]}).encode()]
     proc = psutil.Process()
-    after_first = None
+    warm = None
     for i in range(10):
         t0 = time.perf_counter()
         r = httpx.post(handle.base_url + (CMPL, CHAT)[i % 2], content=bodies[i % 2], headers=JSON, timeout=60)
-        assert time.perf_counter() - t0 < 5.0
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 10.0, f"refusing a 20 MB prompt took {elapsed:.1f} s"  # ~0.5 s at load 10
         assert r.status_code == 400 and "characters, more than any text of 128 tokens" in r.text
-        after_first = after_first or proc.memory_info().rss
-    ratchet = proc.memory_info().rss - after_first
-    assert ratchet < 32 * 2**20, f"resident memory grew {ratchet / 2**20:.0f} MiB over 9 more refusals"
+        if i == 1:  # both routes have allocated their buffers once
+            warm = proc.memory_info().rss
+    ratchet = proc.memory_info().rss - warm
+    assert ratchet < 32 * 2**20, f"resident memory grew {ratchet / 2**20:.0f} MiB over 8 more refusals"
     _good(handle.base_url)
 
 
