@@ -21,8 +21,8 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 or -1 disables.
         min_p: drop tokens whose probability is below ``min_p`` x the top probability, in [0, 1].
-        seed: per-request seed; the same seed gives the same tokens whatever the chunking, batching
-            or prefix-cache state.
+        seed: per-request seed in [-2^63, 2^63 - 1]; the same seed gives the same tokens whatever the
+            chunking, batching or prefix-cache state.
         max_tokens: most tokens to generate (>= 1); ``None`` means up to ``max_model_len``.
         min_tokens: EOS and stop token ids are ignored until this many tokens were generated.
         stop: strings that end generation; the matched string is left out of the text.
@@ -83,8 +83,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # vLLM bounds seeds to a signed 64-bit int; wider ones would wrap onto other seeds.
+            bits = self.seed.bit_length()
+            shown = self.seed if bits <= 128 else f"an integer of {bits} bits"
+            raise ValueError(f"seed must be in [-2^63, 2^63 - 1], got {shown}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

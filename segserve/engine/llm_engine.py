@@ -167,7 +167,7 @@ class LLMEngine:
         """Queue a request (``n`` completions). Returns its id.
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, prompt longer than
+            ValueError: empty prompt, token id (or ``top_k``) outside the vocabulary, prompt longer than
                 ``max_model_len`` or the KV cache, duplicate id. Nothing is queued then.
         """
         params = sampling_params or SamplingParams()
@@ -175,6 +175,9 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or in [1, {vocab}] (the vocabulary size), "
+                             f"got {params.top_k}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -210,6 +213,7 @@ class LLMEngine:
         seed = params.seed
         if seed is not None and index > 0:
             seed = mix_seed(seed, -1 - index)
+            seed -= 2**64 if seed >= 2**63 else 0  # the same 64 bits as a signed seed (its valid range)
         return dataclasses.replace(params, n=1, seed=seed)
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:

@@ -7,6 +7,7 @@ import logging
 import time
 
 from segserve.engine_args import EngineArgs
+from segserve.entrypoints.openai.limits import DEFAULT_GRACE_S, DEFAULT_MAX_BODY_BYTES
 from segserve.entrypoints.ray_serve import settings as scale_out
 from segserve.simulator.budget import AUTO, add_budget_args
 
@@ -28,6 +29,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="bound on the waiting queue; requests beyond it get HTTP 503",
     )
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
+    srv.add_argument(
+        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get HTTP 413 before they are read or parsed (default: 8 MiB)",
+    )
+    srv.add_argument(
+        "--shutdown-grace-period", type=float, default=DEFAULT_GRACE_S,
+        help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted; the "
+        "server then exits 0 (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--cache-salt-by-api-key", action="store_true",
+        help="salt every request's prefix cache with a digest of its API key (Authorization: Bearer), so "
+        "clients with different keys never share cached blocks and cannot probe each other's prompts "
+        "through usage.prompt_tokens_details.cached_tokens",
+    )
     add_budget_args(srv)
     srv.add_argument(
         "--profile", default=None,
@@ -45,15 +61,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the engine thread and serve until interrupted."""
-    import uvicorn
-
+    """Load the model, start the engine thread and serve until SIGTERM/SIGINT; then shut down within
+    ``--shutdown-grace-period`` and exit the process with status 0 (``shutdown.exit_now``)."""
     from segserve import LLMEngine
     from segserve.engine.step_monitor import StepErrorMonitor
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
+    from segserve.entrypoints.openai.shutdown import exit_now, serve
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if not args.shutdown_grace_period >= 0:
+        raise ValueError(f"--shutdown-grace-period must be >= 0 seconds, got {args.shutdown_grace_period}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     use_ray = scale_out.wants_ray(args)
@@ -76,15 +96,14 @@ def run_serve(args: argparse.Namespace) -> int:
         llm_engine.step_monitor = StepErrorMonitor(choice.model, source=source)
     app, engine = make_server(
         llm_engine, args.served_model_name, args.max_waiting_requests, args.log_interval,
-        budget_source="auto" if auto else "given",
+        budget_source="auto" if auto else "given", max_request_body_bytes=args.max_request_body_bytes,
+        cache_salt_by_api_key=args.cache_salt_by_api_key,
     )
     sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])
-    try:
-        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
-    finally:
-        engine.shutdown()
-    return 0
+    serve(app, sock, engine, args.shutdown_grace_period)
+    exit_now(0)
+    return 0  # not reached
 
 
 def _step_profile(args: argparse.Namespace):

@@ -2,8 +2,9 @@
 
 Field names and defaults follow OpenAI's API reference (``/v1/completions``: ``max_tokens`` 16;
 ``/v1/chat/completions``: no token limit; ``temperature`` and ``top_p`` 1) plus vLLM's extensions
-(``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``). Unknown fields are
-ignored, as vLLM does, so load generators that send extra keys keep working.
+(``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``). Unknown
+fields are ignored, as vLLM does, so load generators that send extra keys keep working. Request models
+follow the strict typing and null rules of ``strict.py``.
 """
 
 from __future__ import annotations
@@ -11,18 +12,16 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, field_validator
+
+from segserve.entrypoints.openai.strict import StrictRequest, StrictSampling
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Lenient):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(StrictSampling):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -42,6 +41,14 @@ class SamplingFields(_Lenient):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        return v
 
     @property
     def include_usage(self) -> bool:
@@ -58,12 +65,12 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TextPart(_Lenient):
+class TextPart(StrictRequest):
     type: Literal["text"] = "text"
     text: str
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(StrictRequest):
     role: str
     content: str | list[TextPart] | None = None
 

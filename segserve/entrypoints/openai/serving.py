@@ -13,40 +13,32 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from segserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream, QueueFullError
+from segserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    OutputStream,
+    QueueFullError,
+)
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai.errors import ApiError, bad_request, engine_error, internal_error
+from segserve.entrypoints.openai.limits import max_prompt_chars, printable
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("segserve")
 
 
-@dataclass
-class ApiError(Exception):
-    """An error answered in OpenAI's shape with an HTTP status."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-
-    def response(self) -> JSONResponse:
-        info = p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        return JSONResponse(p.ErrorResponse(error=info).model_dump(), status_code=self.status)
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
 _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
                 "stop_token_ids", "seed", "prompt", "messages")
+
+
+def _short(exc: Exception) -> str:
+    """An engine ``ValueError`` as a client message: its values can be a client's giant ``stop`` list."""
+    return printable(str(exc), 200)
 
 
 def _param_of(message: str) -> str | None:
@@ -67,7 +59,7 @@ def sampling_params(req: p.SamplingFields, max_tokens: int | None) -> SamplingPa
                               min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                               stop_token_ids=req.stop_token_ids, **optional)
     except ValueError as exc:
-        raise bad_request(str(exc), _param_of(str(exc))) from None
+        raise bad_request(_short(exc), _param_of(str(exc))) from None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -117,66 +109,119 @@ class OpenAIServing:
     Args:
         engine: the running async engine.
         served_model_names: names clients may send as ``model``; the first is the one reported.
+        salt_by_api_key: salt every request's prefix-cache hashes by its API key (``tenant_salt``).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
+                 salt_by_api_key: bool = False) -> None:
         self.engine = engine
+        self.salt_by_api_key = salt_by_api_key
         self.names = served_model_names
         self.llm = engine.engine  # read-only here: tokenizer, chat template, max_model_len
         self.max_model_len = self.llm.max_model_len
+        self.max_prompt_chars = max_prompt_chars(self.llm.tokenizer, self.max_model_len)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves {self.names}",
-                           param="model", code="model_not_found")
+            raise ApiError(404, f"The model `{printable(name)}` does not exist; this server serves "
+                           f"{self.names}", param="model", code="model_not_found")
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """ApiError(400) for a text too long to fit ``max_model_len`` tokens, before tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            verb = "have" if param == "messages" else "has"
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the "
+                              f"{param} {verb} {num_chars} characters, more than any text of "
+                              f"{self.max_model_len} tokens can have ({self.max_prompt_chars})", param)
+
+    def check_top_k(self, req: p.SamplingFields) -> None:
+        """ApiError(400) for ``top_k`` beyond the vocabulary, even when greedy decoding ignores it."""
+        vocab = self.llm.loaded.config.vocab_size
+        if req.top_k is not None and req.top_k > vocab:
+            raise bad_request(f"top_k must be 0 or -1 (disabled) or in [1, {vocab}] (the vocabulary size), "
+                              f"got {req.top_k}", "top_k")
+
+    def check_servable(self, params: SamplingParams) -> None:
+        """ApiError(400) for a request no amount of waiting lets in: ``n`` above the waiting queue."""
+        limit = self.engine.max_waiting_requests
+        if params.n > limit:
+            raise bad_request(f"n={params.n} can never be served: it is above the waiting-queue capacity "
+                              f"max_waiting_requests={limit}", "n")
 
     # ---- prompts --------------------------------------------------------------------------------------
 
-    def completion_prompt_ids(self, req: p.CompletionRequest) -> list[int]:
+    def completion_prompt(self, req: p.CompletionRequest) -> str | list[int]:
+        """The one prompt of a completion request, checked for length before any tokenizing."""
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request(f"prompt holds {len(prompt)} prompts; send one prompt per request",
                                   "prompt")
             prompt = prompt[0]
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "prompt")
+        else:
+            self.check_length(len(prompt), req.max_tokens, "prompt")
+        return prompt
+
+    def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         try:
             return self.llm.tokenize(prompt)[1]
         except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from None
+            raise bad_request(_short(exc), "prompt") from None
 
-    def chat_prompt_ids(self, req: p.ChatCompletionRequest) -> list[int]:
-        from segserve.engine.llm import chat_prompt_ids
-
+    def chat_messages(self, req: p.ChatCompletionRequest) -> list[dict[str, str]]:
+        """The conversation as template input, checked for length before rendering."""
         if not req.messages:
             raise bad_request("messages is empty; at least one message is needed", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        self.check_prompt_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+        return messages
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        from segserve.engine.llm import chat_prompt_ids
+
         try:
             return chat_prompt_ids(self.llm, messages)
         except Exception as exc:  # noqa: BLE001 - template errors come in many types; all are the client's
-            message = f"messages could not be rendered with the chat template: {exc}"
+            message = f"messages could not be rendered with the chat template: {printable(str(exc), 200)}"
             raise bad_request(message, "messages") from None
 
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
-        """ApiError(400) when the prompt, or prompt + ``max_tokens``, exceeds ``max_model_len``."""
+        """ApiError(400) unless the prompt leaves room for the completion within ``max_model_len``.
+
+        One rule whatever ``max_tokens`` is (vLLM's): prompt + max(``max_tokens``, 1) <= ``max_model_len``;
+        ``max_tokens`` null asks for at least one token too.
+        """
         limit = self.max_model_len
-        if num_prompt > limit:
+        if num_prompt >= limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
-                              f"{num_prompt} tokens", prompt_param)
+                              f"{num_prompt} tokens, which leaves no room for the completion (at least "
+                              "1 token)", prompt_param)
         if max_tokens is not None and num_prompt + max_tokens > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens; you requested "
                               f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} "
                               f"for the completion)", "max_tokens")
 
-    async def _start(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> OutputStream:
+    def salt_of(self, req: p.SamplingFields, raw: Request) -> str | None:
+        """The request's cache salt: its ``cache_salt``, prefixed by a digest of its API key when the
+        server salts by key (``--cache-salt-by-api-key``), so no tenant can pick another's salt."""
+        if not self.salt_by_api_key:
+            return req.cache_salt
+        return tenant_salt(raw.headers.get("authorization"), req.cache_salt)
+
+    async def _start(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
+                     cache_salt: str | None) -> OutputStream:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+            return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
+                                                 cache_salt=cache_salt)
         except QueueFullError as exc:
             raise ApiError(503, str(exc), type="server_overloaded", code="queue_full") from None
         except EngineDeadError as exc:
-            raise ApiError(503, str(exc), type="server_error", code="engine_dead") from None
+            raise engine_error(exc) from None
         except ValueError as exc:
-            raise bad_request(str(exc), _param_of(str(exc))) from None
+            raise bad_request(_short(exc), _param_of(str(exc))) from None
 
     # ---- completions --------------------------------------------------------------------------------
 
@@ -187,15 +232,18 @@ class OpenAIServing:
                               "echo" if req.echo else "logprobs")
         if req.best_of not in (None, req.n):
             raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
+        self.check_top_k(req)
         params = sampling_params(req, req.max_tokens)
-        prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, req)
+        self.check_servable(params)
+        # Tokenizing a long prompt takes a while: off the event loop, so other requests go on.
+        prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, self.completion_prompt(req))
         self.check_length(len(prompt_ids), req.max_tokens, "prompt")
-        stream = await self._start(prompt_ids, params, "cmpl")
+        stream = await self._start(prompt_ids, params, "cmpl", self.salt_of(req, raw))
         model = self.names[0]
         if req.stream:
             events = _completion_events(until_disconnected(stream, raw), stream.request_id, model,
                                         req.include_usage)
-            return StreamingResponse(_guard(events), media_type="text/event-stream")
+            return StreamingResponse(_guard(events, stream), media_type="text/event-stream")
         final = await _last(until_disconnected(stream, raw))
         choices = [p.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                       stop_reason=c.stop_reason) for c in final.outputs]
@@ -208,21 +256,36 @@ class OpenAIServing:
         if req.logprobs or req.top_logprobs:
             raise bad_request("logprobs are not supported by this server", "logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self.check_top_k(req)
         params = sampling_params(req, max_tokens)
-        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req)
+        self.check_servable(params)
+        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, self.chat_messages(req))
         self.check_length(len(prompt_ids), max_tokens, "messages")
-        stream = await self._start(prompt_ids, params, "chatcmpl")
+        stream = await self._start(prompt_ids, params, "chatcmpl", self.salt_of(req, raw))
         model = self.names[0]
         if req.stream:
             events = _chat_events(until_disconnected(stream, raw), stream.request_id, model, req.n,
                                   req.include_usage)
-            return StreamingResponse(_guard(events), media_type="text/event-stream")
+            return StreamingResponse(_guard(events, stream), media_type="text/event-stream")
         final = await _last(until_disconnected(stream, raw))
         choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in final.outputs]
         return p.ChatCompletionResponse(id=stream.request_id, model=model, choices=choices,
                                         usage=_usage(final))
+
+
+def tenant_salt(authorization: str | None, cache_salt: str | None) -> str:
+    """A cache salt private to the API key of an ``Authorization: Bearer KEY`` header (no header: one
+    shared anonymous tenant), combined with the client's own ``cache_salt``. The key enters as a
+    SHA-256 digest, so it is never stored in the block hashes in clear."""
+    import hashlib
+
+    key = ""
+    if authorization and authorization[:7].lower() == "bearer ":
+        key = authorization[7:].strip()
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"key:{digest}" if cache_salt is None else f"key:{digest}:{cache_salt}"
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -232,20 +295,30 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         async for out in outputs:
             final = out
     except EngineDeadError as exc:
-        raise ApiError(503, str(exc), type="server_error", code="engine_dead") from None
+        raise engine_error(exc) from None
     if final is None or not final.finished:
         raise ApiError(499, "the client closed the connection; the request was aborted", code="aborted")
     return final
 
 
-async def _guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """End a stream cleanly: an engine failure becomes an error event; ``[DONE]`` always closes it."""
+async def _guard(events: AsyncIterator[str], stream: OutputStream) -> AsyncIterator[str]:
+    """End a stream cleanly: an engine failure becomes an error event; ``[DONE]`` always closes it;
+    the request is aborted if the events stopped before it finished (its blocks go back at once)."""
     try:
         async for event in events:
             yield event
     except EngineDeadError as exc:
-        yield _sse({"error": {"message": str(exc), "type": "server_error", "code": "engine_dead"}})
+        yield _sse_error(engine_error(exc))
+    except Exception as exc:  # noqa: BLE001 - the stream has started: the client gets an error event
+        yield _sse_error(internal_error(exc))
+    finally:
+        stream.abort_if_unfinished()
     yield "data: [DONE]\n\n"
+
+
+def _sse_error(error: ApiError) -> str:
+    info = p.ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)
+    return _sse(p.ErrorResponse(error=info))
 
 
 class _Deltas:

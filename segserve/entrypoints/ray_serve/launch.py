@@ -76,6 +76,7 @@ class ReplicaSpec:
     budget_source: str
     max_num_seqs: int
     observers: tuple = ()
+    server_options: dict | None = None  # make_server's keyword settings
 
 
 def router_config(scale: ScaleOut):
@@ -118,7 +119,8 @@ def deploy(scale: ScaleOut, spec: ReplicaSpec, app_name: str = APP_NAME):
         options["request_router_config"] = rc
     app = serve.deployment(EngineReplica).options(**options).bind(
         spec.engine_args, spec.served_model_names, spec.max_waiting_requests, spec.log_interval_s,
-        spec.budget_source, scale.replica_cpus, board, spec.observers, scale.ray_address is None)
+        spec.budget_source, scale.replica_cpus, board, spec.observers, scale.ray_address is None,
+        spec.server_options)
     handle = serve.run(app, name=app_name, route_prefix=None)
     return handle, board
 
@@ -183,12 +185,15 @@ def run_cluster(args: argparse.Namespace, budget_source: str) -> int:
 
     from segserve.engine_args import EngineArgs
     from segserve.entrypoints.openai.api_server import bind_socket
+    from segserve.entrypoints.openai.limits import BodyLimit
 
     scale = ScaleOut.from_cli_args(args)
     sock = bind_socket(args.host, args.port)  # a taken port fails before Ray starts
     engine_args = EngineArgs.from_cli_args(args)
+    options = {"max_request_body_bytes": args.max_request_body_bytes,
+               "cache_salt_by_api_key": args.cache_salt_by_api_key}
     spec = ReplicaSpec(engine_args, args.served_model_name, args.max_waiting_requests, args.log_interval,
-                       budget_source, engine_args.max_num_seqs)
+                       budget_source, engine_args.max_num_seqs, server_options=options)
     try:
         with serve_replicas(scale, spec) as dep:
             # SIGTERM stops like Ctrl-C (uvicorn re-raises what it caught once it has stopped; Ray's
@@ -196,7 +201,13 @@ def run_cluster(args: argparse.Namespace, budget_source: str) -> int:
             # cleans up.
             signal.signal(signal.SIGTERM, signal.default_int_handler)
             log.info("serving on http://%s:%d", *sock.getsockname()[:2])
-            uvicorn.Server(uvicorn.Config(dep.app, log_level="info")).run(sockets=[sock])
+            # The ingress reads whole bodies: it keeps the replicas' body limit (413 unread).
+            app = BodyLimit(dep.app, args.max_request_body_bytes)
+            # In-flight requests get --shutdown-grace-period; then uvicorn cancels them, which
+            # cancels their replica calls, which aborts them on the replicas.
+            grace = args.shutdown_grace_period
+            config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=grace)
+            uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:

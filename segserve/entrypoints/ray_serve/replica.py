@@ -28,7 +28,8 @@ class EngineReplica:
 
     Args:
         engine_args: ``EngineArgs`` of the engine (the model path included).
-        served_model_names, max_waiting_requests, log_interval_s, budget_source: as ``make_server``.
+        served_model_names, max_waiting_requests, log_interval_s, budget_source, server_options: as
+            ``make_server`` (``server_options``: its keyword settings, e.g. ``max_request_body_bytes``).
         threads: torch intra-op threads (the replica's reserved CPUs).
         board: the metrics board actor (``board.MetricsBoard``), or None.
         observers: extra step observers for the engine thread (``StepObserver``; tests slow steps down).
@@ -37,7 +38,8 @@ class EngineReplica:
 
     def __init__(self, engine_args, served_model_names: list[str] | None, max_waiting_requests: int,
                  log_interval_s: float, budget_source: str, threads: int, board=None,
-                 observers: tuple = (), loopback_only: bool = False) -> None:
+                 observers: tuple = (), loopback_only: bool = False, server_options: dict | None = None,
+                 ) -> None:
         import torch
 
         from segserve import LLMEngine
@@ -50,7 +52,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         llm_engine = LLMEngine.from_engine_args(engine_args)
         self.app, self.engine = make_server(llm_engine, served_model_names, max_waiting_requests,
-                                            log_interval_s, budget_source)
+                                            log_interval_s, budget_source, **(server_options or {}))
         self.engine.observers.extend(observers)
         self.metrics = next(o for o in self.engine.observers if isinstance(o, EngineMetrics))
         self.board, self._stop = board, threading.Event()
