@@ -122,3 +122,18 @@ def _own_metrics(client: TestClient) -> str:
 
     # /metrics also needs the board; the ingress's own counters are in its registry.
     return generate_latest(client.app.state.ingress.registry).decode()
+
+
+def test_router_flag_picks_the_serve_router():
+    from segserve.entrypoints.ray_serve import launch, routers
+    from segserve.entrypoints.ray_serve.settings import ScaleOut
+
+    def config(name: str):
+        return launch.router_config(ScaleOut(2, 1, name, 4, 0.5, None, available_cpus=4))
+
+    assert config("power_of_two") is None  # Serve's default router
+    path = "segserve.entrypoints.ray_serve.routers."
+    assert config("round_robin").request_router_class == path + routers.RoundRobinRouter.__name__
+    affinity = config("prefix_affinity")
+    assert affinity.request_router_class == path + routers.PrefixAffinityRouter.__name__
+    assert affinity.request_router_kwargs == {"imbalanced_threshold": 4, "match_rate_threshold": 0.5}

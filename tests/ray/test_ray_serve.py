@@ -173,16 +173,21 @@ def _replica_actor_names(app_name: str) -> list[str]:
                   if a["name"].startswith(f"SERVE_REPLICA::{app_name}#EngineReplica#"))
 
 
-async def _burst(base: str, n: int) -> list[dict]:
+async def _burst(base: str, n: int, started: asyncio.Event) -> list[dict]:
+    """``n`` completions at once (even ones streamed); ``started`` is set at the first streamed chunk."""
+
     async def one(i: int, client: httpx.AsyncClient) -> dict:
         body = {"model": SERVED_NAME, "prompt": f"burst {i}", "max_tokens": 80, "temperature": 0,
                 "ignore_eos": True, "stream": i % 2 == 0}
         if i % 2:
             r = await client.post("/v1/completions", json=body)
             return {"status": r.status_code, "streamed": False, "complete": r.status_code == 200}
+        events = []
         async with client.stream("POST", "/v1/completions", json=body) as r:
-            events = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]"
-                      async for x in r.aiter_lines() if x.startswith("data: ")]
+            async for x in r.aiter_lines():
+                if x.startswith("data: "):
+                    events.append(json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]")
+                    started.set()
         chunks = [e for e in events if isinstance(e, dict) and "choices" in e]
         errors = [e for e in events if isinstance(e, dict) and "error" in e]
         done = bool(chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -199,8 +204,11 @@ def _kill_during_burst(base: str, app_name: str) -> None:
     victim = _replica_actor_names(app_name)[0]
 
     async def run() -> list[dict]:
-        task = asyncio.ensure_future(_burst(base, 16))
-        await asyncio.sleep(0.3)
+        started = asyncio.Event()
+        task = asyncio.ensure_future(_burst(base, 16, started))
+        # Round robin gave the victim half of the burst; the engine batches them, so once one stream
+        # has its first chunk, the victim's requests are in flight too (80 tokens take >= 1.6 s).
+        await asyncio.wait_for(started.wait(), 60)
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         return await task
 
