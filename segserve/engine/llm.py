@@ -105,15 +105,25 @@ class LLM:
 
 
 def chat_prompt_ids(
-    engine: LLMEngine, messages: ChatMessages, add_generation_prompt: bool = True
+    engine: LLMEngine,
+    messages: ChatMessages,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS)."""
+    """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS).
+
+    ``template_kwargs`` are extra variables for the template (vLLM's ``chat_template_kwargs``).
+    """
     tokenizer = engine.tokenizer
     template = engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"model {engine.loaded.name} has no chat template; pass plain prompts instead")
     text = tokenizer.apply_chat_template(
-        messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        messages,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **(template_kwargs or {}),
     )
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -170,11 +170,7 @@ class LLMEngine:
             ValueError: empty prompt, token id outside the vocabulary, prompt longer than
                 ``max_model_len`` or the KV cache, duplicate id. Nothing is queued then.
         """
-        params = sampling_params or SamplingParams()
-        vocab = self.loaded.config.vocab_size
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+        params = self._check_token_fields(sampling_params or SamplingParams())
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -203,6 +199,37 @@ class LLMEngine:
         state = self.output_processor.make_state(request_id, text, prompt_ids, params, arrival)
         self.output_processor.add(state, child_ids)
         return request_id
+
+    def _check_token_fields(self, params: SamplingParams) -> SamplingParams:
+        """Token ids of the parameters checked against the vocabulary; ``bad_words`` tokenized.
+
+        Raises:
+            ValueError: naming the field, the id and the vocabulary range.
+        """
+        vocab = self.loaded.config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
+        return params
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Token ids of each bad word as written and, when it tokenizes to as many tokens and starts
+        differently, with one leading space (the form it takes mid-sentence) -- vLLM's rule."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word, add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced):
+                if ids and ids not in out:
+                    if ids is spaced and plain and (len(ids) != len(plain) or ids[0] == plain[0]):
+                        continue
+                    out.append(ids)
+        return out
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -100,6 +100,8 @@ class OutputProcessor:
                     prompt_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop_strings,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
                     min_tokens=params.min_tokens,
                 ),
                 want_logprobs=params.logprobs is not None,

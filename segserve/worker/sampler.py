@@ -54,6 +54,7 @@ def sample(
     seeds: list[int | None],
     output_indices: list[int],
     generator: torch.Generator | None = None,
+    logprob_logits: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Pick one token per row.
 
@@ -63,6 +64,8 @@ def sample(
         seeds: N per-request seeds; ``None`` rows draw from ``generator``.
         output_indices: N counts of tokens the row's completion has generated so far.
         generator: engine-wide generator for unseeded rows; ``None`` means torch's default.
+        logprob_logits: (N, V) logits the returned logprobs come from (the model's raw logits when
+            ``logits`` were processed); ``None`` means ``logits``.
 
     Returns:
         SamplerOutput with N token ids and, if any row asked, logprobs.
@@ -76,7 +79,8 @@ def sample(
         token_ids = logits.argmax(dim=-1).tolist()  # (N,) -- no softmax, no sort
     else:
         token_ids = _sample_mixed(logits, params, seeds, output_indices, generator)
-    return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(logits, params, token_ids, n))
+    source = logits if logprob_logits is None else logprob_logits.float()
+    return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(source, params, token_ids, n))
 
 
 def compute_logprobs(
