@@ -218,11 +218,11 @@ class LLMEngine:
         return params
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Token ids of each bad word as written and, when it tokenizes to as many tokens and starts
-        differently, with one leading space (the form it takes mid-sentence) -- vLLM's rule."""
+        """Token ids of each bad word without leading spaces and, when it tokenizes to as many tokens
+        and starts differently, with one leading space (the form it takes mid-sentence) -- vLLM's rule."""
         out: list[list[int]] = []
         for word in words:
-            plain = self.tokenizer.encode(word, add_special_tokens=False)
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             for ids in (plain, spaced):
                 if ids and ids not in out:

@@ -52,8 +52,18 @@ class CompletionLogprobsBuilder:
                 out.top_logprobs.append(None)
             else:
                 out.token_logprobs.append(_lp(pos[tok]))
-                out.top_logprobs.append({self.decode(t): _lp(v) for t, v in pos.items()})
+                out.top_logprobs.append(self._top(pos))
         return out
+
+
+    def _top(self, pos: dict[int, float]) -> dict[str, float]:
+        # Tokens that decode to the same text (lone bytes of a UTF-8 character) share a key: keep the
+        # highest logprob, so a greedy token still reads as the best one.
+        top: dict[str, float] = {}
+        for t, v in pos.items():
+            key = self.decode(t)
+            top[key] = max(top.get(key, FLOOR - 1.0), _lp(v))
+        return top
 
 
 def chat_logprobs(
