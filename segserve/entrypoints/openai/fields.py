@@ -38,7 +38,6 @@ class LogitsFields(BaseModel):
 
 # field -> why it is refused (shown in the 400).
 REFUSED_COMMON = {
-    "logit_bias_type": "is not an OpenAI or vLLM field",
     "guided_json": "structured output is not implemented",
     "guided_regex": "structured output is not implemented",
     "guided_choice": "structured output is not implemented",
