@@ -49,13 +49,36 @@ def _load(model: str | LoadedModel | None, dtype: torch.dtype, backend: Attentio
     return model
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32"``/``"bfloat16"`` (or the torch dtype) -> torch dtype; ValueError otherwise."""
+def resolve_dtype(dtype: str | torch.dtype, model: str | LoadedModel | None = None) -> torch.dtype:
+    """``"float32"``/``"bfloat16"`` (or the torch dtype) -> torch dtype; ``"auto"``: the checkpoint's
+    (``auto_dtype(model)``). ValueError otherwise."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
+    if dtype == "auto":
+        return auto_dtype(model)
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def auto_dtype(model: str | LoadedModel | None) -> torch.dtype:
+    """vLLM's ``--dtype auto`` on CPU: the checkpoint's dtype where segserve runs it.
+
+    A loaded model keeps its dtype; a Hugging Face directory's ``torch_dtype`` (or ``dtype``) of
+    bfloat16 gives bfloat16, and float16 also bfloat16 (there is no float16 CPU path; vLLM-CPU does
+    the same); anything else, and GGUF files (quantized blocks dequantize to float), float32.
+    """
+    import json
+    from pathlib import Path
+
+    if isinstance(model, LoadedModel):
+        return next(model.model.parameters()).dtype
+    config = Path(model) / "config.json" if model is not None else None
+    if config is None or not config.is_file():
+        return torch.float32
+    meta = json.loads(config.read_text())
+    name = meta.get("torch_dtype") or meta.get("dtype")
+    return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 
 
 class LLMEngine:
@@ -75,7 +98,7 @@ class LLMEngine:
 
     def __init__(self, model: str | LoadedModel | None = None, **kwargs: Any) -> None:
         args = EngineArgs(model=model, **kwargs)
-        torch_dtype = resolve_dtype(args.dtype)
+        torch_dtype = resolve_dtype(args.dtype, args.model)
         args.check()
         backend = get_attention_backend(args.attention_backend)
         t0 = time.perf_counter()

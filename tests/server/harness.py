@@ -71,13 +71,15 @@ class Throttle:
 
 
 @contextmanager
-def running_server(llm_engine, max_waiting_requests: int = 256) -> Iterator[tuple[ServerHandle, Throttle]]:
+def running_server(llm_engine, max_waiting_requests: int = 256, api_key: str | None = None
+                   ) -> Iterator[tuple[ServerHandle, Throttle]]:
     """Start the app in a uvicorn thread on 127.0.0.1 and a free port; stop everything on exit."""
     import uvicorn
 
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
 
-    app, engine = make_server(llm_engine, [SERVED_NAME], max_waiting_requests, log_interval_s=5.0)
+    app, engine = make_server(llm_engine, [SERVED_NAME], max_waiting_requests, log_interval_s=5.0,
+                              api_key=api_key)
     throttle = Throttle()
     engine.observers.append(throttle)
     sock = bind_socket("127.0.0.1", 0)

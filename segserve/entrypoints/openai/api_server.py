@@ -1,8 +1,10 @@
 """The FastAPI app of the OpenAI-compatible server and the glue that starts it.
 
-Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``. Every error, including a malformed body and an unknown route, is
-answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+Routes: ``GET /health``, ``GET /metrics``, ``GET /version``, ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``.
+With an API key, every ``/v1/*`` route wants ``Authorization: Bearer KEY`` (401 otherwise).
+Every error, including a malformed body and an unknown route, is answered in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from segserve.engine.async_engine import AsyncLLMEngine
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai import tokenize as tk
 from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
 from segserve.entrypoints.openai.serving import ApiError, OpenAIServing
 
@@ -57,12 +60,32 @@ def _install_error_handlers(app: FastAPI) -> None:
         return ApiError(500, f"internal error: {exc!r}", type="server_error").response()
 
 
-def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics) -> FastAPI:
-    """The app over a started ``engine``; ``metrics`` must be one of the engine's observers."""
+def _install_api_key(app: FastAPI, api_key: str) -> None:
+    """Bearer-token check on ``/v1/*`` (vLLM's ``--api-key``), answered in OpenAI's error shape."""
+    import hmac
+
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1") and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return ApiError(401, "Incorrect API key provided (send Authorization: Bearer <key>)",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics,
+              api_key: str | None = None) -> FastAPI:
+    """The app over a started ``engine``; ``metrics`` must be one of the engine's observers;
+    ``api_key``: required as a Bearer token on ``/v1/*`` when set."""
     app = FastAPI(title="segserve OpenAI-compatible server")
     serving = OpenAIServing(engine, served_model_names)
     app.state.serving = serving
     _install_error_handlers(app)
+    if api_key:
+        _install_api_key(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -74,11 +97,26 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version() -> dict:
+        from segserve import __version__
+
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models() -> p.ModelList:
         root = engine.engine.loaded.name
-        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=serving.max_model_len)
+        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=serving.max_model_len,
+                                             permission=[p.model_permission()])
                                  for name in served_model_names])
+
+    @app.post("/tokenize")
+    async def tokenize(body: tk.TokenizeRequest) -> tk.TokenizeResponse:
+        return await tk.tokenize(serving, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: tk.DetokenizeRequest) -> tk.DetokenizeResponse:
+        return await tk.detokenize(serving, body)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: p.CompletionRequest, raw: Request) -> Any:
@@ -97,6 +135,7 @@ def make_server(
     max_waiting_requests: int = 256,
     log_interval_s: float = 10.0,
     budget_source: str = "given",
+    api_key: str | None = None,
 ) -> tuple[FastAPI, AsyncLLMEngine]:
     """Wrap an ``LLMEngine`` in a started ``AsyncLLMEngine`` (metrics + log line) and build the app.
 
@@ -107,13 +146,14 @@ def make_server(
         log_interval_s: period of the stats log line, seconds.
         budget_source: ``"auto"`` when the step budget was sized from the step profile (the label of
             ``segserve:max_num_batched_tokens``), else ``"given"``.
+        api_key: Bearer token required on ``/v1/*`` (None: open).
     """
     names = served_model_names or [llm_engine.loaded.name]
     metrics = EngineMetrics(names[0])
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
     engine.start()
-    return build_app(engine, names, metrics), engine
+    return build_app(engine, names, metrics, api_key), engine
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -237,6 +237,16 @@ class ModelCard(BaseModel):
     permission: list[dict[str, Any]] = Field(default_factory=list)
 
 
+def model_permission() -> dict[str, Any]:
+    """vLLM's ``ModelPermission`` entry of a model card."""
+    import uuid
+
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": _now(),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
