@@ -203,7 +203,7 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, order: list[str], so: SchedulerOutput, metadata: AttentionMetadata
-    ) -> dict[str, list[list[tuple[int, float]]]]:
+    ) -> dict[str, list[list[tuple[int, float, int]]]]:
         """Logprobs of each next prompt token for the prompt positions computed this step.
 
         Position ``j``'s logits score prompt token ``j + 1``; the last prompt position scores the

@@ -137,3 +137,20 @@ def test_llm_accepts_vllm_cpu_no_ops_and_refuses_the_rest(tiny_loaded, caplog):
         LLM(tiny_loaded, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="unsupported keyword 'quantization'"):
         LLM(tiny_loaded, quantization="awq")
+
+
+def test_offline_logprobs_are_vllm_logprob_objects(tiny_offline):
+    from segserve import Logprob, SamplingParams
+
+    out = tiny_offline.generate("The lazy dog", SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                               prompt_logprobs=1), use_tqdm=False)[0]
+    tok = tiny_offline.get_tokenizer()
+    for t, pos in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True):
+        chosen = pos[t]
+        assert isinstance(chosen, Logprob) and chosen.rank == 1  # greedy: the most likely
+        assert chosen.decoded_token == tok.decode([t]) and chosen.logprob == float(chosen) < 0
+        ranked = sorted(pos.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2] and ranked[0].logprob >= ranked[1].logprob
+    prompt_pos = out.prompt_logprobs[1]
+    actual = out.prompt_token_ids[1]
+    assert prompt_pos[actual].rank >= 1 and prompt_pos[actual].decoded_token == tok.decode([actual])

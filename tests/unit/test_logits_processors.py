@@ -92,5 +92,5 @@ def test_greedy_sampling_follows_the_processed_logits_and_logprobs_stay_raw():
     out = sample(processed, [params], [None], [0], logprob_logits=raw)
     assert out.token_ids == [4]
     expected = torch.log_softmax(raw, dim=-1)[0]
-    assert out.logprobs[0][0] == (4, pytest.approx(float(expected[4])))
-    assert out.logprobs[0][1] == (3, pytest.approx(float(expected[3])))
+    assert out.logprobs[0][0] == (4, pytest.approx(float(expected[4])), 6)  # raw rank: the least likely
+    assert out.logprobs[0][1] == (3, pytest.approx(float(expected[3])), 1)
