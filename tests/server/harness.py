@@ -117,7 +117,7 @@ def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 def metric(samples: dict, name: str, **labels: str) -> float:
     """One sample's value (0 when absent, as a counter that never moved)."""
-    key = (name, tuple(sorted({"model_name": SERVED_NAME, **labels}.items())))
+    key = (name, tuple(sorted({"model_name": SERVED_NAME, "engine": "0", **labels}.items())))
     return samples.get(key, 0.0)
 
 

@@ -149,7 +149,7 @@ def make_server(
         api_key: Bearer token required on ``/v1/*`` (None: open).
     """
     names = served_model_names or [llm_engine.loaded.name]
-    metrics = EngineMetrics(names[0])
+    metrics = EngineMetrics(names[0], max_model_len=llm_engine.max_model_len)
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
     engine.start()
