@@ -280,3 +280,21 @@ def test_bad_new_fields_answer_400_naming_the_field_and_the_server_keeps_serving
     ok = httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base})
     assert ok.status_code == 200
     handle.assert_idle_and_clean()
+
+
+def test_stream_options_continuous_usage_stats(tiny_server):
+    handle, _ = tiny_server
+    client = openai_client(handle)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=SERVED_NAME, prompt=PROMPTS[0], max_tokens=5,
+                                            temperature=0, stream=True, stream_options=opts,
+                                            extra_body={"ignore_eos": True}))
+    with_text = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in with_text)
+    counts = [c.usage.completion_tokens for c in with_text]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    messages = [{"role": "user", "content": "x"}]
+    plain = list(client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=3,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage.completion_tokens <= 3
