@@ -93,10 +93,14 @@ class ChatMessage(_Lenient):
         return self.content or ""
 
     def unsupported_part(self) -> str | None:
-        """The type of the first content part that is not plain text, or None."""
+        """What is wrong with the first content part that is not plain text, or None."""
         for part in self.content if isinstance(self.content, list) else ():
-            if part.type != "text" or part.text is None or part.model_extra:
-                return part.type
+            if part.type != "text":
+                return f"content part type {part.type!r} is not supported (only 'text')"
+            if part.text is None:
+                return "a 'text' content part needs a 'text' field"
+            if part.model_extra:
+                return f"content part field {sorted(part.model_extra)[0]!r} is not supported"
         return None
 
 

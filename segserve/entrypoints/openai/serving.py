@@ -225,10 +225,9 @@ class OpenAIServing:
             raise bad_request("messages is empty; at least one message is needed", "messages")
         for i, m in enumerate(req.messages):
             check_fields(m, {})
-            part = m.unsupported_part()
-            if part is not None:
-                raise bad_request(f"messages[{i}].content: content part type {part!r} is not supported "
-                                  "(only 'text' parts with a 'text' field)", "messages")
+            problem = m.unsupported_part()
+            if problem is not None:
+                raise bad_request(f"messages[{i}].content: {problem}", "messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         try:
