@@ -262,7 +262,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages", "'image_url'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]},
-     "tool_call_id", "not a field"),
+     "tool_call_id", "tool calling is not implemented"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]},
+     "mood", "not a field"),
+    ("/v1/completions", {"bad_words": "fox"}, "bad_words", "valid list"),
+    ("/v1/completions", {"allowed_token_ids": ["a"]}, "allowed_token_ids", "valid integer"),
     ("/v1/chat/completions", {"store": True}, "store", "False"),
 ]
 

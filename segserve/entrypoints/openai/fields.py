@@ -76,15 +76,27 @@ REFUSED_CHAT = {
     "mm_processor_kwargs": "the model takes text only",
 }
 
+# Fields of a chat message that segserve does not implement.
+REFUSED_MESSAGE = {
+    "tool_calls": "tool calling is not implemented",
+    "tool_call_id": "tool calling is not implemented",
+    "function_call": "function calling is not implemented",
+    "audio": "audio is not implemented",
+    "refusal": "not implemented",
+    "reasoning_content": "the model is not a reasoning model",
+}
+
 
 def unhonoured_field(body: BaseModel, refused: dict[str, str]) -> tuple[str, str] | None:
     """(field, message) of the first key of ``body`` that segserve does not honour, else None.
 
-    A key is not honoured when it is unknown, or listed in ``refused`` (or ``REFUSED_COMMON``) with a
-    non-null value. ``response_format`` of type ``"text"`` is plain text, which is what is produced.
+    A key is not honoured when it is unknown, or listed in ``refused`` (or, for a request body,
+    ``REFUSED_COMMON``) with a non-null value. ``response_format`` of type ``"text"`` is plain text,
+    which is what is produced.
     """
+    common = REFUSED_COMMON if refused is not REFUSED_MESSAGE else {}
     for name, value in (body.model_extra or {}).items():
-        why = refused.get(name) or REFUSED_COMMON.get(name)
+        why = refused.get(name) or common.get(name)
         if why is None:
             return name, f"{name} is not a field this server knows (unknown fields are refused, not ignored)"
         if value is None or (name == "response_format" and value == {"type": "text"}):

@@ -20,7 +20,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from segserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream, QueueFullError
 from segserve.entrypoints.openai import protocol as p
-from segserve.entrypoints.openai.fields import REFUSED_CHAT, REFUSED_COMPLETION, unhonoured_field
+from segserve.entrypoints.openai.fields import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    REFUSED_MESSAGE,
+    unhonoured_field,
+)
 from segserve.entrypoints.openai.logprobs_format import CompletionLogprobsBuilder, chat_logprobs
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -224,7 +229,7 @@ class OpenAIServing:
         if not req.messages:
             raise bad_request("messages is empty; at least one message is needed", "messages")
         for i, m in enumerate(req.messages):
-            check_fields(m, {})
+            check_fields(m, REFUSED_MESSAGE)
             problem = m.unsupported_part()
             if problem is not None:
                 raise bad_request(f"messages[{i}].content: {problem}", "messages")
