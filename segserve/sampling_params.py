@@ -40,8 +40,9 @@ class SamplingParams:
             longer one is banned when the output ends with the rest (vLLM's rule).
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: leave special tokens out of the text.
-        spaces_between_special_tokens: join special tokens to their neighbours with a space when they
-            are kept in the text (slow tokenizers' rule; vLLM's default True).
+        spaces_between_special_tokens: with special tokens kept in the text, ``True`` (vLLM's default)
+            decodes as the tokenizer does; ``False`` writes added tokens as their exact content with no
+            space around them (Hugging Face slow tokenizers' meaning of the flag).
 
     Raises:
         ValueError: naming the field and its allowed range.

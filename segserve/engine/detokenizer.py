@@ -35,8 +35,8 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         min_tokens: stop strings are ignored until more than this many tokens were generated (vLLM).
         spaces_between_special_tokens: with ``False`` (and special tokens kept), added tokens are
-            written as their exact content, with no space the tokenizer's decoder might put between
-            them and their neighbours (vLLM's fast-tokenizer rule); ``True`` decodes as the tokenizer does.
+            written as their exact content, with no space the tokenizer's decoder might put around
+            them (Hugging Face slow tokenizers' meaning); ``True`` decodes as the tokenizer does.
 
     Attributes:
         stop_string_hit: the stop string that ended the text, or ``None``.
