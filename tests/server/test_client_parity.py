@@ -192,6 +192,12 @@ def test_logit_bias_plus_100_forces_a_token_minus_100_bans_it(tiny_server, tiny_
     ref = _offline(tiny_offline, prompt, max_tokens=6, ignore_eos=True, logit_bias={first: -100}).outputs[0]
     assert first not in ref.token_ids
     assert banned.choices[0].text == ref.text != plain.text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(first): -100},
+        extra_body={"ignore_eos": True}, stream=True) if c.choices)
+    assert streamed == ref.text
+    forced_ref = _offline(tiny_offline, prompt, max_tokens=6, ignore_eos=True, logit_bias={forced: 100})
+    assert forced_ref.outputs[0].token_ids == [forced] * 6
 
 
 def test_allowed_token_ids_bad_words_and_special_tokens(tiny_server, tiny_offline):
