@@ -88,12 +88,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
-    """``serve MODEL`` and ``--model`` name the same thing; both given and different is an error."""
-    if args.model_tag is None:
-        return
-    if args.model is not None and args.model != args.model_tag:
-        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-    args.model = args.model_tag
+    """``serve MODEL`` and ``--model`` name the same thing; both given and different is an error.
+    ``--dtype auto`` becomes the checkpoint's dtype here, so the step profile is looked up for it."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if args.dtype == "auto":
+        from segserve.engine.llm_engine import auto_dtype
+
+        args.dtype = str(auto_dtype(args.model)).removeprefix("torch.")
 
 
 def _step_profile(args: argparse.Namespace):

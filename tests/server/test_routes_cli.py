@@ -93,7 +93,8 @@ def test_serve_takes_the_model_positionally_and_vllm_flags():
     args = _serve_args(["/models/x", "--dtype", "auto", "--api-key", "k",
                         "--kv-cache-memory-bytes", "2Gi"])
     resolve_model_arg(args)
-    assert args.model == "/models/x" and args.api_key == "k" and args.dtype == "auto"
+    assert args.model == "/models/x" and args.api_key == "k"
+    assert args.dtype == "float32"  # auto: no config.json there, so float32 (as for a GGUF file)
     assert EngineArgs.from_cli_args(args).kv_cache_memory_bytes == 2 * 2**30
     args = _serve_args(["--model", "/models/y", "--kv-cache-memory-bytes", "1500000000"])
     resolve_model_arg(args)
