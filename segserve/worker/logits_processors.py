@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from segserve.sampling_params import SamplingParams
@@ -92,33 +93,36 @@ def _logit_bias(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow]) 
 
 
 def _penalties(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow], vocab: int) -> None:
+    """Repetition, frequency and presence penalties on the tokens each row has seen.
+
+    Only seen tokens change, so the work is gathered to them: O(prompt + output) per row instead of
+    dense (R, V) passes (vLLM's form; ~18 passes over 16 x 49,152 cost ~70 ms on 2 busy cores).
+    """
     picked = [(r, x) for r, x in zip(rows, inputs, strict=True) if _has_penalty(x.params)]
     if not picked:
         return
-    idx = torch.tensor([r for r, _ in picked])
-    sub = logits[idx]  # (Rp, V)
-    out_counts = _bin_counts([x.output_token_ids for _, x in picked], vocab)  # (Rp, V)
-    seen = (_bin_counts([x.prompt_token_ids for _, x in picked], vocab) > 0) | (out_counts > 0)
-    rep = torch.tensor([x.params.repetition_penalty for _, x in picked]).unsqueeze(1)  # (Rp, 1)
-    rep = torch.where(seen, rep, 1.0)  # (Rp, V)
-    sub = sub * torch.where(sub > 0, 1.0 / rep, rep)
-    freq = torch.tensor([x.params.frequency_penalty for _, x in picked]).unsqueeze(1)  # (Rp, 1)
-    pres = torch.tensor([x.params.presence_penalty for _, x in picked]).unsqueeze(1)  # (Rp, 1)
-    sub = sub - freq * out_counts - pres * (out_counts > 0)
-    logits[idx] = sub
+    row_idx, tok_idx, rep, freq, pres, counts = [], [], [], [], [], []
+    for r, x in picked:
+        output = np.asarray(x.output_token_ids, dtype=np.int64)
+        seen = np.unique(np.concatenate([np.asarray(x.prompt_token_ids, dtype=np.int64), output]))
+        out_ids, out_counts = np.unique(output, return_counts=True)
+        count = np.zeros(len(seen), dtype=np.float32)
+        count[np.searchsorted(seen, out_ids)] = out_counts  # out_ids are a subset of seen
+        p = x.params
+        row_idx.append(np.full(len(seen), r, dtype=np.int64))
+        tok_idx.append(seen)
+        counts.append(count)
+        for values, value in ((rep, p.repetition_penalty), (freq, p.frequency_penalty),
+                              (pres, p.presence_penalty)):
+            values.append(np.full(len(seen), value, dtype=np.float32))
+    index = (torch.from_numpy(np.concatenate(row_idx)), torch.from_numpy(np.concatenate(tok_idx)))
+    vals = logits[index]  # (S,) the seen tokens' logits
+    rep_t, count_t = torch.from_numpy(np.concatenate(rep)), torch.from_numpy(np.concatenate(counts))
+    vals = torch.where(vals > 0, vals / rep_t, vals * rep_t)  # CTRL: divide positive, multiply negative
+    vals = vals - torch.from_numpy(np.concatenate(freq)) * count_t
+    vals = vals - torch.from_numpy(np.concatenate(pres)) * (count_t > 0).float()
+    logits[index] = vals
 
 
 def _has_penalty(params: SamplingParams) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
-
-
-def _bin_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
-    """(R, V) float counts of each token id per list; padding goes to a spare column, then dropped."""
-    width = max((len(t) for t in token_lists), default=0)
-    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # (R, L), pad = vocab
-    for i, t in enumerate(token_lists):
-        if t:
-            ids[i, : len(t)] = torch.tensor(t)
-    counts = torch.zeros(len(token_lists), vocab + 1)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape))
-    return counts[:, :vocab]

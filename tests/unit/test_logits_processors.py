@@ -94,3 +94,27 @@ def test_greedy_sampling_follows_the_processed_logits_and_logprobs_stay_raw():
     expected = torch.log_softmax(raw, dim=-1)[0]
     assert out.logprobs[0][0] == (4, pytest.approx(float(expected[4])), 6)  # raw rank: the least likely
     assert out.logprobs[0][1] == (3, pytest.approx(float(expected[3])), 1)
+
+
+def test_penalties_equal_vllms_dense_formula_on_random_rows():
+    """The gathered (sparse) penalties against vLLM's dense (R, V) form, 8 random rows."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, rows = 500, 8
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    inputs = []
+    for i in range(rows):
+        prompt = torch.randint(0, vocab, (40,), generator=gen).tolist()
+        output = torch.randint(0, vocab, (i * 5,), generator=gen).tolist()
+        params = SamplingParams(repetition_penalty=0.5 + 0.2 * i, frequency_penalty=0.3 * (i % 3) - 0.3,
+                                presence_penalty=0.25 * (i % 2))
+        inputs.append(LogitsRow(params, prompt, output))
+    got = logits.clone()
+    apply_logits_processors(got, list(range(rows)), inputs)
+    for i, x in enumerate(inputs):
+        counts = torch.bincount(torch.tensor(x.output_token_ids, dtype=torch.long), minlength=vocab).float()
+        seen = (torch.bincount(torch.tensor(x.prompt_token_ids), minlength=vocab) > 0) | (counts > 0)
+        p = x.params
+        pen = torch.where(seen, torch.tensor(p.repetition_penalty), torch.tensor(1.0))
+        ref = logits[i] * torch.where(logits[i] > 0, 1.0 / pen, pen)
+        ref = ref - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        assert torch.allclose(got[i], ref, atol=1e-6), i
