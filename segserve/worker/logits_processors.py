@@ -4,7 +4,8 @@ bad words, logit bias, then repetition / frequency / presence penalties.
 The order and the definitions are vLLM 0.32's (``Sampler.apply_logits_processors``): the
 repetition penalty (CTRL, Keskar et al. 2019) counts the prompt and the output, the frequency and
 presence penalties (OpenAI's definition) count the output only. Everything is a tensor operation
-over the rows that asked; Python loops run over requests and bad words, never over the vocabulary.
+over the rows that asked (penalties gathered to the tokens each row has seen); Python loops run over
+requests and bad words, never over the vocabulary.
 A grammar bitmask step (structured output) sits beside this one as another in-place pass.
 """
 
@@ -48,23 +49,21 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[int], inputs: list[
         raise ValueError(f"{len(rows)} rows but {len(inputs)} inputs")
     if not rows:
         return
-    vocab = logits.shape[1]
-    _allowed_token_ids(logits, rows, inputs, vocab)
+    _allowed_token_ids(logits, rows, inputs)
     _bad_words(logits, rows, inputs)
     _logit_bias(logits, rows, inputs)
-    _penalties(logits, rows, inputs, vocab)
+    _penalties(logits, rows, inputs)
 
 
-def _allowed_token_ids(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow], vocab: int) -> None:
-    picked = [(r, x.params.allowed_token_ids) for r, x in zip(rows, inputs, strict=True)
-              if x.params.allowed_token_ids is not None]
-    if not picked:
-        return
-    banned = torch.ones(len(picked), vocab, dtype=torch.bool)  # (Ra, V)
-    for i, (_, ids) in enumerate(picked):
-        banned[i, ids] = False
-    idx = torch.tensor([r for r, _ in picked])
-    logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+def _allowed_token_ids(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow]) -> None:
+    """Every token outside a row's allowed list to -inf: keep the allowed logits, fill, put them back."""
+    for r, x in zip(rows, inputs, strict=True):
+        if x.params.allowed_token_ids is None:
+            continue
+        ids = torch.tensor(x.params.allowed_token_ids)
+        keep = logits[r, ids]  # (A,) a copy
+        logits[r].fill_(float("-inf"))
+        logits[r, ids] = keep
 
 
 def _bad_words(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow]) -> None:
@@ -92,7 +91,7 @@ def _logit_bias(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow]) 
         logits.index_put_((torch.tensor(r_idx), torch.tensor(t_idx)), torch.tensor(values), accumulate=True)
 
 
-def _penalties(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow], vocab: int) -> None:
+def _penalties(logits: torch.Tensor, rows: list[int], inputs: list[LogitsRow]) -> None:
     """Repetition, frequency and presence penalties on the tokens each row has seen.
 
     Only seen tokens change, so the work is gathered to them: O(prompt + output) per row instead of
