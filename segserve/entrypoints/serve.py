@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 from segserve.engine_args import EngineArgs
@@ -17,7 +18,13 @@ log = logging.getLogger("segserve")
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     srv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="GGUF file or HF directory, as vLLM's `serve MODEL` (same as --model)")
     EngineArgs.add_cli_args(srv)
+    srv.add_argument(
+        "--api-key", default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SEGSERVE_API_KEY; else none)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -79,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
     use_ray = scale_out.wants_ray(args)
     if use_ray:
         scale_out.ScaleOut.from_cli_args(args).check_reachable()  # bad flags fail before any model work
+    resolve_model_arg(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
     auto = args.max_num_batched_tokens == AUTO
@@ -98,12 +106,26 @@ def run_serve(args: argparse.Namespace) -> int:
         llm_engine, args.served_model_name, args.max_waiting_requests, args.log_interval,
         budget_source="auto" if auto else "given", max_request_body_bytes=args.max_request_body_bytes,
         cache_salt_by_api_key=args.cache_salt_by_api_key,
+        api_key=args.api_key or os.environ.get("SEGSERVE_API_KEY") or None,
     )
     sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])
     serve(app, sock, engine, args.shutdown_grace_period)
     exit_now(0)
     return 0  # not reached
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """``serve MODEL`` and ``--model`` name the same thing; both given and different is an error.
+    ``--dtype auto`` becomes the checkpoint's dtype here, so the step profile is looked up for it."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if args.dtype == "auto":
+        from segserve.engine.llm_engine import auto_dtype
+
+        args.dtype = str(auto_dtype(args.model)).removeprefix("torch.")
 
 
 def _step_profile(args: argparse.Namespace):

@@ -75,7 +75,8 @@ class Throttle:
 def running_server(llm_engine, max_waiting_requests: int = 256,
                    **server_kw: Any) -> Iterator[tuple[ServerHandle, Throttle]]:
     """Start the app in a uvicorn thread on 127.0.0.1 and a free port; stop everything on exit.
-    ``server_kw`` go to ``make_server`` (``max_request_body_bytes``, ``cache_salt_by_api_key``)."""
+    ``server_kw`` go to ``make_server`` (``api_key``, ``max_request_body_bytes``,
+    ``cache_salt_by_api_key``)."""
     import uvicorn
 
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
@@ -119,7 +120,7 @@ def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 def metric(samples: dict, name: str, **labels: str) -> float:
     """One sample's value (0 when absent, as a counter that never moved)."""
-    key = (name, tuple(sorted({"model_name": SERVED_NAME, **labels}.items())))
+    key = (name, tuple(sorted({"model_name": SERVED_NAME, "engine": "0", **labels}.items())))
     return samples.get(key, 0.0)
 
 

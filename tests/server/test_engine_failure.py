@@ -61,18 +61,18 @@ def test_internal_error_is_a_generic_500_with_an_id_in_the_log(tiny_server, capl
 
     import segserve.entrypoints.openai.serving as serving_mod
 
-    original_delta = serving_mod._completion_delta
+    original_delta = serving_mod._Sent.completion_delta
 
-    def broken_delta(deltas, c):
+    def broken_delta(self, *args):
         raise KeyError("secret stream detail")
 
-    serving_mod._completion_delta = broken_delta
+    serving_mod._Sent.completion_delta = broken_delta
     try:
         body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 4, "stream": True}
         with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body) as s:
             events = sse_events(list(s.iter_lines()))
     finally:
-        serving_mod._completion_delta = original_delta
+        serving_mod._Sent.completion_delta = original_delta
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
     assert "secret" not in str(events)
     handle.assert_idle_and_clean()

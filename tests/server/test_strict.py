@@ -198,7 +198,7 @@ def test_validation_messages_name_the_field_path_and_the_value(tiny_server):
         (CMPL, {**GOOD, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
          "stream_options.include_usage: Input should be a valid boolean (got 1)"),
         (CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "text": "a"}]}]},
-         "messages", "messages.0.content.0.type: Input should be 'text' (got 'image_url')"),
+         "messages", "messages[0].content: content part type 'image_url' is not supported (only 'text')"),
     ]
     for path, body, param, message in cases:
         r = httpx.post(handle.base_url + path, json=body)

@@ -1,11 +1,12 @@
 """The FastAPI app of the OpenAI-compatible server and the glue that starts it.
 
-Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``. Every error, including a malformed body and an unknown route, is
-answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; client input never
-causes a 500, and an unexpected internal error is a 500 with a generic message and an id that the log
-repeats next to the traceback. ``/openapi.json`` documents the status codes actually sent
-(``openapi.py``).
+Routes: ``GET /health``, ``GET /metrics``, ``GET /version``, ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``.
+With an API key, every ``/v1/*`` route wants ``Authorization: Bearer KEY`` (401 otherwise).
+Every error, including a malformed body and an unknown route, is answered in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``; client input never causes a 500, and an
+unexpected internal error is a 500 with a generic message and an id that the log repeats next to the
+traceback. ``/openapi.json`` documents the status codes actually sent (``openapi.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from segserve.engine.async_engine import AsyncLLMEngine
 from segserve.entrypoints.openai import openapi
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai import tokenize as tk
 from segserve.entrypoints.openai.errors import ApiError, internal_error
 from segserve.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, quote
 from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
@@ -75,14 +77,31 @@ def _install_error_handlers(app: FastAPI) -> None:
         return internal_error(exc).response()
 
 
+def _install_api_key(app: FastAPI, api_key: str) -> None:
+    """Bearer-token check on ``/v1/*`` (vLLM's ``--api-key``), answered in OpenAI's error shape."""
+    import hmac
+
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1") and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return ApiError(401, "Incorrect API key provided (send Authorization: Bearer <key>)",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics,
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cache_salt_by_api_key: bool = False,
-              ) -> FastAPI:
+              api_key: str | None = None) -> FastAPI:
     """The app over a started ``engine``; ``metrics`` must be one of the engine's observers.
 
     Args:
         max_request_body_bytes: larger request bodies get 413 before they are parsed.
         cache_salt_by_api_key: salt every request's prefix cache by its API key (``serving.tenant_salt``).
+        api_key: required as a Bearer token on ``/v1/*`` when set.
 
     Raises:
         ValueError: ``max_request_body_bytes`` < 1.
@@ -92,6 +111,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
     serving = OpenAIServing(engine, served_model_names, salt_by_api_key=cache_salt_by_api_key)
     app.state.serving = serving
     _install_error_handlers(app)
+    if api_key:
+        _install_api_key(app, api_key)
 
     @app.get("/health", response_class=Response, responses=openapi.HEALTH)
     async def health() -> Response:
@@ -104,11 +125,26 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version", responses=openapi.VERSION)
+    async def version() -> dict:
+        from segserve import __version__
+
+        return {"version": __version__}
+
     @app.get("/v1/models", response_model=p.ModelList, responses=openapi.MODELS)
     async def models() -> p.ModelList:
         root = engine.engine.loaded.name
-        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=serving.max_model_len)
+        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=serving.max_model_len,
+                                             permission=[p.model_permission()])
                                  for name in served_model_names])
+
+    @app.post("/tokenize", responses=openapi.tokenizer_route(tk.TokenizeResponse))
+    async def tokenize(body: tk.TokenizeRequest) -> tk.TokenizeResponse:
+        return await tk.tokenize(serving, body)
+
+    @app.post("/detokenize", responses=openapi.tokenizer_route(tk.DetokenizeResponse))
+    async def detokenize(body: tk.DetokenizeRequest) -> tk.DetokenizeResponse:
+        return await tk.detokenize(serving, body)
 
     @app.post("/v1/completions", response_model=None, responses=openapi.generation(p.CompletionResponse))
     async def completions(body: p.CompletionRequest, raw: Request) -> Any:
@@ -131,6 +167,7 @@ def make_server(
     budget_source: str = "given",
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     cache_salt_by_api_key: bool = False,
+    api_key: str | None = None,
 ) -> tuple[FastAPI, AsyncLLMEngine]:
     """Wrap an ``LLMEngine`` in a started ``AsyncLLMEngine`` (metrics + log line) and build the app.
 
@@ -142,13 +179,14 @@ def make_server(
         budget_source: ``"auto"`` when the step budget was sized from the step profile (the label of
             ``segserve:max_num_batched_tokens``), else ``"given"``.
         max_request_body_bytes, cache_salt_by_api_key: as ``build_app``.
+        api_key: Bearer token required on ``/v1/*`` (None: open).
     """
     names = served_model_names or [llm_engine.loaded.name]
-    metrics = EngineMetrics(names[0])
+    metrics = EngineMetrics(names[0], max_model_len=llm_engine.max_model_len)
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
     engine.start()
-    return build_app(engine, names, metrics, max_request_body_bytes, cache_salt_by_api_key), engine
+    return build_app(engine, names, metrics, max_request_body_bytes, cache_salt_by_api_key, api_key), engine
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

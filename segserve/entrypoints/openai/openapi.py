@@ -40,7 +40,22 @@ METRICS: Responses = {
           "content": {"text/plain": {"schema": {"type": "string"}}}},
 }
 
-MODELS: Responses = {200: {"description": "the served models"}}
+_UNAUTHORIZED = _error("with --api-key: the `Authorization: Bearer` header is missing or wrong")
+
+MODELS: Responses = {200: {"description": "the served models"}, 401: _UNAUTHORIZED}
+
+VERSION: Responses = {200: {"description": 'segserve\'s version, `{"version": "..."}`'}}
+
+
+def tokenizer_route(response: type[BaseModel]) -> Responses:
+    """Responses of ``/tokenize`` and ``/detokenize``: ``response`` as JSON, or an error."""
+    return {
+        200: {"model": response, "description": f"`{response.__name__}`"},
+        400: _error("invalid request: a field of the wrong type, a token id outside the vocabulary"),
+        404: _error("the model named in `model` is not served here"),
+        413: _error("the request body is above --max-request-body-bytes"),
+        500: _error("unexpected internal error; the message carries an id that the server log repeats"),
+    }
 
 
 def _sse_event(model_name: str) -> dict[str, Any]:
@@ -74,6 +89,7 @@ def generation(response: type[BaseModel], chunk: type[BaseModel] | None = None) 
         },
         400: _error("invalid request: a field out of range or of the wrong type, a prompt too long for "
                     "max_model_len, malformed JSON"),
+        401: _UNAUTHORIZED,
         404: _error("the model named in `model` is not served here"),
         413: _error("the request body is above --max-request-body-bytes"),
         499: _error("the client closed the connection before the answer (not seen by the client)"),
