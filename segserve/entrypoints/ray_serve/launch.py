@@ -191,7 +191,8 @@ def run_cluster(args: argparse.Namespace, budget_source: str) -> int:
     sock = bind_socket(args.host, args.port)  # a taken port fails before Ray starts
     engine_args = EngineArgs.from_cli_args(args)
     options = {"max_request_body_bytes": args.max_request_body_bytes,
-               "cache_salt_by_api_key": args.cache_salt_by_api_key}
+               "cache_salt_by_api_key": args.cache_salt_by_api_key,
+               "api_key": args.api_key or os.environ.get("SEGSERVE_API_KEY") or None}
     spec = ReplicaSpec(engine_args, args.served_model_name, args.max_waiting_requests, args.log_interval,
                        budget_source, engine_args.max_num_seqs, server_options=options)
     try:
