@@ -9,6 +9,7 @@ import time
 
 from segserve.engine_args import EngineArgs
 from segserve.entrypoints.openai.limits import DEFAULT_GRACE_S, DEFAULT_MAX_BODY_BYTES
+from segserve.entrypoints.ray_serve import settings as scale_out
 from segserve.simulator.budget import AUTO, add_budget_args
 
 log = logging.getLogger("segserve")
@@ -61,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="no usable cached profile for this machine: measure one at start-up (about a minute on 2 idle "
         "cores; profile --quick) and cache it",
     )
+    scale_out.add_cli_args(srv)
     # The server sizes its budget for --target-itl-ms; offline use (LLM, generate) keeps 512.
     srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO)
 
@@ -81,6 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace-period must be >= 0 seconds, got {args.shutdown_grace_period}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    use_ray = scale_out.wants_ray(args)
+    if use_ray:
+        scale_out.ScaleOut.from_cli_args(args).check_reachable()  # bad flags fail before any model work
     resolve_model_arg(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
@@ -88,6 +93,10 @@ def run_serve(args: argparse.Namespace) -> int:
     given = None if auto else settle_budget(args, None)  # a bad number fails before any calibration
     choice = _step_profile(args)
     args.max_num_batched_tokens = (given or settle_budget(args, choice)).budget
+    if use_ray:
+        from segserve.entrypoints.ray_serve.launch import run_cluster
+
+        return run_cluster(args, budget_source="auto" if auto else "given")
     llm_engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     log.info("loaded in %.1f s: %s", time.perf_counter() - t0, llm_engine.describe())
     if choice is not None:
