@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.ray.conftest import NUM_REPLICAS, deployed
+from tests.scaleout.conftest import NUM_REPLICAS, deployed
 from tests.server.harness import SERVED_NAME, sse_events
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
