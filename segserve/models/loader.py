@@ -251,8 +251,8 @@ def _diagnose_tensors(path: Path) -> str | None:
             return f"tensor {name!r} {shape} of type {ggml_type.name} is not whole {block}-value blocks"
         end = int(start + offset[0]) + elements // block * type_size
         if end > size:
-            return (f"tensor {name!r} {shape} of type {ggml_type.name} needs bytes up to offset {end}, but the "
-                    f"file has {size} (truncated)")
+            return (f"tensor {name!r} {shape} of type {ggml_type.name} needs bytes up to offset {end}, "
+                    f"but the file has {size} (truncated)")
     return None
 
 
