@@ -13,11 +13,11 @@ alternate with it in one process).
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from segserve.kernels import cpu as cpu_kernels
+from segserve.kernels.switch import Switch
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int32
@@ -29,7 +29,7 @@ _ERRORS = {-1: "unsupported shape", -5: "argument struct of another size (the li
 # Flops of one round of sg_amx_peak's loop: 4 tile products of 16 x 16 x 32 multiply-adds.
 PEAK_FLOPS_PER_ITER = 4 * 16 * 16 * 32 * 2
 
-_switch = os.environ.get("SEGSERVE_AMX", "1").strip().lower() not in ("0", "false", "off", "no")
+_switch = Switch("SEGSERVE_AMX")
 _probed: bool | None = None
 
 
@@ -78,8 +78,9 @@ def _library():
     return lib
 
 
-def _probe() -> bool:
-    """Whether AMX-BF16 runs here (asked once; the C probe also requests the tile permission)."""
+def hardware_ready() -> bool:
+    """Whether AMX-BF16 runs in this process, whatever the switches say (asked once; the C probe also
+    requests Linux's tile permission, which every thread of the process then has)."""
     global _probed
     if _probed is None:
         lib = _library()
@@ -89,23 +90,26 @@ def _probe() -> bool:
 
 def available() -> bool:
     """True when the AMX GEMM is switched on and can run in this process (see the module docstring)."""
-    return _switch and cpu_kernels.enabled() and _probe()
+    return _switch.on and cpu_kernels.enabled() and hardware_ready()
 
 
 def set_enabled(flag: bool) -> bool:
     """Switch the AMX GEMM on or off for this process; returns the previous setting."""
-    global _switch
-    old, _switch = _switch, bool(flag)
-    return old
+    return _switch.set(flag)
+
+
+def disabled():
+    """``with disabled():`` runs the projections through oneDNN (the other compiled kernels stay on)."""
+    return _switch.off()
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
-    if not _switch:
-        return "switched off (SEGSERVE_AMX=0 or set_enabled(False))"
+    if not _switch.on:
+        return _switch.off_reason()
     if not cpu_kernels.enabled():
         return f"compiled kernels off: {cpu_kernels.unavailable_reason()}"
-    return None if _probe() else "CPU lacks AMX-BF16/AMX-TILE, or the OS does not grant tile state"
+    return None if hardware_ready() else "CPU lacks AMX-BF16/AMX-TILE, or the OS does not grant tile state"
 
 
 def _check(rc: int, name: str) -> None:
@@ -212,7 +216,7 @@ def linear(
         y = torch.empty(m, n // 2 if silu_mul else n, dtype=out_dtype)
     epilogue = "silu_mul" if silu_mul else "residual" if residual is not None else None
     lib = _library()
-    if lib is None or not _probe():
+    if lib is None or not hardware_ready():
         raise RuntimeError(f"AMX GEMM unavailable: {unavailable_reason()}")
     rc = lib.sg_amx_linear(_LinearArgs(  # positional: ctypes builds a struct from keywords ~2x slower
         _LinearArgs.SIZE, m, n, k, x.data_ptr(), x.stride(0), packed.data_ptr(),
@@ -229,7 +233,7 @@ def peak(iters: int, threads: int) -> None:
     if iters < 1 or threads < 1:
         raise ValueError(f"iters and threads must be >= 1, got {iters}, {threads}")
     lib = _library()
-    if lib is None or not _probe():
+    if lib is None or not hardware_ready():
         raise RuntimeError(f"AMX unavailable: {unavailable_reason()}")
     _check(lib.sg_amx_peak(_PeakArgs(size=_PeakArgs.SIZE, iters=iters, threads=threads)), "sg_amx_peak")
 

@@ -21,16 +21,20 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from segserve.kernels.switch import env_on
+
 CSRC = Path(__file__).parent / "csrc"
-# Every ``.c`` file in csrc/ goes into the one library (sorted, so the build key is stable).
+# Every ``.c`` file in csrc/ goes into the one library (sorted, so the build key is stable); the
+# headers they include are hashed with them, so editing a header rebuilds too.
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
-ABI_VERSION = 5
+ABI_VERSION = 6
 SYMBOLS = (
     "sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack",
     "sg_rows", "sg_amx_probe", "sg_amx_pack", "sg_amx_linear", "sg_amx_peak",
-    "sg_chunk_attention", "sg_chunk_attention_amx", "sg_qdequant",
+    "sg_chunk_attention", "sg_qdequant",
 )
 
 _loaded: ctypes.CDLL | None = None
@@ -61,14 +65,20 @@ def _compiler() -> str:
 
 def switched_on_by_env() -> bool:
     """``SEGSERVE_CPU_KERNELS`` is unset or not one of 0/false/off/no (the process-wide default)."""
-    return os.environ.get("SEGSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_on("SEGSERVE_CPU_KERNELS")
+
+
+def _source_parts() -> list[bytes]:
+    """Each C source's and header's name and bytes, in a fixed order: what the library is built from."""
+    return [f.name.encode() + f.read_bytes() for f in (*SOURCES, *HEADERS)]
+
 
 def source_hash() -> str:
-    """SHA-256 (first 16 hex digits) of every C source's name and bytes: what a step profile measured
-    with the kernels depends on (torch-free; builds nothing)."""
+    """SHA-256 (first 16 hex digits) of every C source and header: what a step profile measured with
+    the kernels depends on (torch-free; builds nothing)."""
     key = hashlib.sha256()
-    for f in SOURCES:
-        key.update(f.name.encode() + f.read_bytes())
+    for part in _source_parts():
+        key.update(part)
     return key.hexdigest()[:16]
 
 
@@ -142,8 +152,7 @@ def load() -> ctypes.CDLL | None:
         _reason = f"no C compiler ({cc}): {e}"
         return None
     key = hashlib.sha256()
-    sources = [f.name.encode() + f.read_bytes() for f in SOURCES]
-    for part in (*sources, " ".join(FLAGS), version, " ".join(sorted(flags))):
+    for part in (*_source_parts(), " ".join(FLAGS), version, " ".join(sorted(flags))):
         key.update(part if isinstance(part, bytes) else part.encode())
     target = cache_dir() / f"segserve_cpu_{key.hexdigest()[:16]}.so"
     try:

@@ -15,12 +15,12 @@ inputs the error is that of bfloat16 rounding (see tests/kernels/test_chunk_atte
 from __future__ import annotations
 
 import ctypes
-import os
-from contextlib import contextmanager
 
 import torch
 
+from segserve.kernels import amx
 from segserve.kernels import cpu as cpu_kernels
+from segserve.kernels.switch import Switch
 
 # The C code's limits (CA_MAX_D, CA_MAX_G in csrc/segserve_chunk_attn.c).
 MAX_HEAD_DIM = 128
@@ -49,47 +49,37 @@ _ERRORS = {-2: "out of memory", -5: "argument struct of another size (the librar
            "chunk_attention.py disagree on its layout)", -6: "this CPU or kernel gives no AMX tiles"}
 
 _lib = None
-_amx: bool | None = None
 # SEGSERVE_CHUNK_ATTENTION=0 turns this kernel off (the SDPA chunk path runs); set_enabled at run time.
-_switch = os.environ.get("SEGSERVE_CHUNK_ATTENTION", "1").strip().lower() not in ("0", "false", "off", "no")
+_switch = Switch("SEGSERVE_CHUNK_ATTENTION")
 
 
 def _library():
     """The compiled library with this module's entry point typed, or None (see ``cpu.enabled``)."""
-    global _lib, _amx
+    global _lib
     if _lib is None:
         lib = cpu_kernels._library()
         if lib is None:
             return None
         fn = lib.sg_chunk_attention
         fn.argtypes, fn.restype = [ctypes.POINTER(_ChunkAttentionArgs)], ctypes.c_int
-        lib.sg_chunk_attention_amx.restype = ctypes.c_int
-        _amx = lib.sg_chunk_attention_amx() == 1
         _lib = lib
     return _lib
 
 
 def available() -> bool:
     """Whether this kernel and the compiled kernels are on and this CPU runs AMX bfloat16 tiles (Linux
-    granted the tile state)."""
-    return _switch and cpu_kernels.enabled() and _library() is not None and bool(_amx)
+    granted the tile state; ``amx.hardware_ready`` asks, whatever the AMX GEMM's own switch says)."""
+    return _switch.on and cpu_kernels.enabled() and _library() is not None and amx.hardware_ready()
 
 
 def set_enabled(flag: bool) -> bool:
     """Switch this kernel on or off for the process (benchmarks ablate with it); returns the old setting."""
-    global _switch
-    old, _switch = _switch, bool(flag)
-    return old
+    return _switch.set(flag)
 
 
-@contextmanager
 def disabled():
     """``with disabled():`` runs the chunks through the SDPA path (the other compiled kernels stay on)."""
-    old = set_enabled(False)
-    try:
-        yield
-    finally:
-        set_enabled(old)
+    return _switch.off()
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -11,12 +11,12 @@ Switches: ``SEGSERVE_CPU_KERNELS=0`` in the environment turns the kernels off fo
 from __future__ import annotations
 
 import ctypes
-from contextlib import contextmanager
 
 import torch
 
 from segserve.kernels import build
 from segserve.kernels.gguf_blocks import QuantWeight
+from segserve.kernels.switch import Switch
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The C code's head-shape limits (MAX_D, MAX_G in csrc/segserve_cpu.c).
@@ -35,7 +35,7 @@ MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
-_switch = build.switched_on_by_env()
+_switch = Switch("SEGSERVE_CPU_KERNELS")
 _lib = None
 
 # The argument structs of the C entry points (``sg_*_args`` in csrc/segserve_cpu.c), field for field in
@@ -154,30 +154,23 @@ def _library():
 
 def enabled() -> bool:
     """True when the kernels are switched on and built for this machine (builds on first call)."""
-    return _switch and _library() is not None
+    return _switch.on and _library() is not None
 
 
 def set_enabled(flag: bool) -> bool:
     """Switch the kernels on or off for this process; returns the previous setting."""
-    global _switch
-    old, _switch = _switch, bool(flag)
-    return old
+    return _switch.set(flag)
 
 
-@contextmanager
 def disabled():
     """``with disabled():`` runs the eager PyTorch path (for ablations and oracle comparisons)."""
-    old = set_enabled(False)
-    try:
-        yield
-    finally:
-        set_enabled(old)
+    return _switch.off()
 
 
 def unavailable_reason() -> str | None:
     """Why the kernels are off: the environment switch, the CPU, or the build (None when on)."""
-    if not _switch:
-        return "switched off (SEGSERVE_CPU_KERNELS=0 or set_enabled(False))"
+    if not _switch.on:
+        return _switch.off_reason()
     return None if _library() is not None else build.unavailable_reason()
 
 

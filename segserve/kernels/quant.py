@@ -14,19 +14,18 @@ also off whenever the compiled CPU kernels are (``cpu.enabled``).
 from __future__ import annotations
 
 import ctypes
-import os
-from contextlib import contextmanager
 
 import torch
 
 from segserve.kernels import cpu as cpu_kernels
 from segserve.kernels.gguf_blocks import QuantWeight
+from segserve.kernels.switch import Switch
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int32
 _L = ctypes.c_int64
 
-_switch = os.environ.get("SEGSERVE_QUANT", "1").strip().lower() not in ("0", "false", "off", "no")
+_switch = Switch("SEGSERVE_QUANT")
 
 
 @cpu_kernels._sized
@@ -53,24 +52,24 @@ def _library():
 
 def enabled() -> bool:
     """True when these kernels are switched on and the compiled CPU kernels are on and built."""
-    return _switch and cpu_kernels.enabled() and _library() is not None
+    return _switch.on and cpu_kernels.enabled() and _library() is not None
 
 
 def set_enabled(flag: bool) -> bool:
     """Switch these kernels on or off for this process; returns the previous setting."""
-    global _switch
-    old, _switch = _switch, bool(flag)
-    return old
+    return _switch.set(flag)
 
 
-@contextmanager
 def disabled():
     """``with disabled():`` runs the PyTorch dequantize-then-matmul path."""
-    old = set_enabled(False)
-    try:
-        yield
-    finally:
-        set_enabled(old)
+    return _switch.off()
+
+
+def unavailable_reason() -> str | None:
+    """Why these kernels are off: their switch, or the compiled kernels' reason (None when on)."""
+    if not _switch.on:
+        return _switch.off_reason()
+    return cpu_kernels.unavailable_reason()
 
 
 def _check_weight(w: QuantWeight) -> None:

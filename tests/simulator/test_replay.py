@@ -66,7 +66,7 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch, comp
 
     if compiled and not cpu_kernels.enabled():
         pytest.skip(f"compiled kernels unavailable: {cpu_kernels.unavailable_reason()}")
-    monkeypatch.setattr(cpu_kernels, "_switch", compiled)  # restored after the test
+    monkeypatch.setattr(cpu_kernels._switch, "on", compiled)  # restored after the test
 
     copied: list[int] = []
     original = segmented.SegmentedAttentionBackend._copy_blocks

@@ -87,7 +87,7 @@ def test_runner_prepack_counts_and_keeps_logits(monkeypatch) -> None:
     packed_calls = []
     real = cpu_step.packed_linear
     monkeypatch.setattr(cpu_step, "packed_linear", lambda *a: packed_calls.append(1) or real(*a))
-    monkeypatch.setattr(cpu_kernels, "_switch", False)  # else the compiled small-row head takes 3 rows
+    monkeypatch.setattr(cpu_kernels._switch, "on", False)  # else the compiled small-row head takes 3 rows
     hidden = torch.randn(3, 32).bfloat16()
     before = model.compute_logits(hidden)
     assert step.prepack() == 2 * 4 + 1  # 4 projections per layer + the tied LM head

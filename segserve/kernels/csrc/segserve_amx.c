@@ -53,6 +53,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "segserve_simd.h"
+
 enum { AMX_OK = 0, AMX_ERR_SHAPE = -1, AMX_ERR_LAYOUT = -5, AMX_ERR_NO_AMX = -6 };
 enum { AMX_DT_F32 = 0, AMX_DT_BF16 = 1 };
 enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2 };
@@ -71,7 +73,6 @@ enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2 };
 #define XFEATURE_XTILECFG 17
 #define XFEATURE_XTILEDATA 18
 
-static int amx_ready = 0; /* set once sg_amx_probe succeeded */
 
 /* ---- probe ------------------------------------------------------------------------------------ */
 
@@ -88,19 +89,25 @@ static uint64_t xgetbv0(void) {
 /* 1 when this process may run AMX-BF16: CPUID.(7,0):EDX AMX-BF16 (bit 22) and AMX-TILE (bit 24), the OS
  * enabled XSAVE with both tile state components in XCR0, and Linux granted XTILEDATA to the process
  * (arch_prctl ARCH_REQ_XCOMP_PERM; the grant is per process, every thread inherits it). Else 0. */
+int sg_amx_granted(void) {
+    static int state; /* 0 not asked, 1 granted, -1 not: the answers agree, so racing threads are harmless */
+    if (state == 0) {
+        unsigned int eax, ebx, ecx, edx;
+        uint64_t tiles = (1ull << XFEATURE_XTILECFG) | (1ull << XFEATURE_XTILEDATA);
+        unsigned long perm = 0;
+        int ok = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 27)) /* OSXSAVE */
+                 && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx & (1u << 22)) && (edx & (1u << 24))
+                 && (xgetbv0() & tiles) == tiles
+                 && !syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+                 && !syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm) && (perm & (1ul << XFEATURE_XTILEDATA));
+        state = ok ? 1 : -1;
+    }
+    return state > 0;
+}
+
 int sg_amx_probe(const sg_amx_probe_args *a) {
     if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
-    unsigned int eax, ebx, ecx, edx;
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return 0; /* OSXSAVE */
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
-    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return 0;
-    uint64_t tiles = (1ull << XFEATURE_XTILECFG) | (1ull << XFEATURE_XTILEDATA);
-    if ((xgetbv0() & tiles) != tiles) return 0;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 0;
-    unsigned long perm = 0;
-    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm) || !(perm & (1ul << XFEATURE_XTILEDATA))) return 0;
-    amx_ready = 1;
-    return 1;
+    return sg_amx_granted();
 }
 
 /* ---- packing ---------------------------------------------------------------------------------- */
@@ -170,29 +177,8 @@ static inline __m512 bf16_round16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-static inline __m512 bf16_load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 static inline void bf16_store16(uint16_t *p, __m512 v) { /* v holds bf16 values: truncation is exact */
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-
-/* exp(x) for float32 lanes: segserve_cpu.c's exp512 (Cephes expf), copied so this file stands alone. */
-static inline __m512 amx_exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* What the store of one row tile needs: where it goes and how (internal, tagged like tile_config). */
@@ -208,22 +194,22 @@ typedef struct store_plan {
  * output column is ``col`` of the (M, N/2) result and whose bias columns are ``bcol`` and ``bcol_up``. */
 static inline void store_tile(const store_plan *p, const float *c, const float *up, int skip, int rows,
                               int64_t m0, int64_t col, int64_t bcol, int64_t bcol_up) {
-    __m512 b = p->bias ? bf16_load16(p->bias + bcol) : _mm512_setzero_ps();
-    __m512 bu = p->bias && up ? bf16_load16(p->bias + bcol_up) : _mm512_setzero_ps();
+    __m512 b = p->bias ? sg_bf16x16_to_f32(p->bias + bcol) : _mm512_setzero_ps();
+    __m512 bu = p->bias && up ? sg_bf16x16_to_f32(p->bias + bcol_up) : _mm512_setzero_ps();
     for (int r = skip; r < rows; r++) {
         __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
         int64_t at = (m0 + r) * p->ldy + col;
         if (p->epilogue == EPI_SILU_MUL) {
             __m512 g = bf16_round16(v);
             __m512 u = bf16_round16(_mm512_add_ps(_mm512_loadu_ps(up + r * 16), bu));
-            __m512 e = amx_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 e = sg_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
             __m512 s = bf16_round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
             bf16_store16((uint16_t *)p->y + at, bf16_round16(_mm512_mul_ps(s, u)));
         } else if (p->ydt == AMX_DT_F32) {
             _mm512_storeu_ps((float *)p->y + at, v);
         } else {
             v = bf16_round16(v);
-            if (p->epilogue == EPI_RESIDUAL) v = bf16_round16(_mm512_add_ps(bf16_load16((uint16_t *)p->y + at), v));
+            if (p->epilogue == EPI_RESIDUAL) v = bf16_round16(_mm512_add_ps(sg_bf16x16_to_f32((uint16_t *)p->y + at), v));
             bf16_store16((uint16_t *)p->y + at, v);
         }
     }
@@ -383,10 +369,10 @@ AMX_TARGET static void gemm_share(const sg_amx_linear_args *a, const store_plan 
 }
 
 /* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE, or
- * ERR_NO_AMX before sg_amx_probe said 1. */
+ * ERR_NO_AMX where sg_amx_granted() is 0. */
 AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
     if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
-    if (!amx_ready) return AMX_ERR_NO_AMX;
+    if (!sg_amx_granted()) return AMX_ERR_NO_AMX;
     const int64_t M = a->M, N = a->N, K = a->K;
     const int epi = a->epilogue, silu = epi == EPI_SILU_MUL;
     if (M < 1 || N < 16 || K < 32 || N % (silu ? 32 : 16) || K % 32 || a->ldx < K) return AMX_ERR_SHAPE;
@@ -421,7 +407,7 @@ typedef struct {
  * iters x 4 x 16384. Returns OK, ERR_LAYOUT, ERR_SHAPE or ERR_NO_AMX. */
 AMX_TARGET int sg_amx_peak(const sg_amx_peak_args *a) {
     if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
-    if (!amx_ready) return AMX_ERR_NO_AMX;
+    if (!sg_amx_granted()) return AMX_ERR_NO_AMX;
     const int64_t iters = a->iters;
     if (iters < 1 || a->threads < 1) return AMX_ERR_SHAPE;
 #pragma omp parallel num_threads(a->threads)

@@ -1,7 +1,6 @@
 /* segserve chunk (prefill) attention through the paged KV cache, on AMX tiles (bfloat16 caches).
  *
  *   sg_chunk_attention      the attention of every chunk (query length >= 1) of a step, in one call.
- *   sg_chunk_attention_amx  1 when this CPU has AMX-TILE + AMX-BF16 and Linux grants the tile state.
  *
  * A chunk of Tq tokens at positions prior .. prior + Tq - 1 attends to all prior cached tokens and
  * causally to its own, whose K/V the caller has already written to the cache (write_kv): so the kernel
@@ -29,19 +28,18 @@
  * (relative error ~3e-6, far below bfloat16's 4e-3). Output rounded to bfloat16 (nearest even).
  *
  * The AMX code is compiled for its target only (function attributes), so this file builds and loads
- * on CPUs without AMX; there sg_chunk_attention_amx() is 0 and sg_chunk_attention refuses with
+ * on CPUs without AMX; there sg_amx_granted() (segserve_simd.h) is 0 and sg_chunk_attention refuses with
  * ERR_NO_AMX. Tile configuration is per thread: every OpenMP thread loads it before its items and
  * releases the tiles after, so other code sharing the threads (another AMX kernel) is unaffected.
  */
-#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "segserve_simd.h"
 
 enum { CA_DT_BF16 = 1 };
 enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_BLOCK = -4,
@@ -50,8 +48,6 @@ enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_
 #define CA_MAX_D 128 /* head dim, a multiple of 32 (chunk_attention.MAX_HEAD_DIM) */
 #define CA_MAX_G 16  /* query heads per KV head (chunk_attention.MAX_QUERY_HEADS_PER_KV_HEAD) */
 #define CA_TQ 128    /* query tokens per work item, the most (halved for small steps) */
-#define CA_ARCH_REQ_XCOMP_PERM 0x1023
-#define CA_XFEATURE_XTILEDATA 18
 
 #define CA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 
@@ -81,20 +77,6 @@ typedef struct {
 } sg_chunk_attention_args;
 
 /* ---- AMX availability ------------------------------------------------------------------------- */
-
-static int ca_amx_state; /* 0 not probed, 1 usable, -1 not */
-
-/* CPUID leaf 7 EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), then Linux's permission for the tile data
- * state (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction faults). Once per
- * process; the permission covers every thread. */
-int sg_chunk_attention_amx(void) {
-    if (ca_amx_state == 0) {
-        unsigned int eax, ebx, ecx, edx;
-        int has = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) && (edx >> 24 & 1);
-        ca_amx_state = has && syscall(SYS_arch_prctl, CA_ARCH_REQ_XCOMP_PERM, CA_XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    }
-    return ca_amx_state > 0;
-}
 
 typedef struct ca_tilecfg {
     uint8_t palette_id;
@@ -583,7 +565,7 @@ int sg_chunk_attention(const sg_chunk_attention_args *a) {
     if (a->dt != CA_DT_BF16 || a->Hkv < 1 || a->D % 32 || a->D < 32 || a->D > CA_MAX_D || a->Hq % a->Hkv ||
         a->Hq / a->Hkv > CA_MAX_G || a->seg < 1 || a->n < 0)
         return CA_ERR_SHAPE;
-    if (!sg_chunk_attention_amx()) return CA_ERR_NO_AMX;
+    if (!sg_amx_granted()) return CA_ERR_NO_AMX;
     int rc = ca_check(a);
     return rc != CA_OK || a->n == 0 ? rc : ca_run(a);
 }

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "segserve_simd.h"
 #include "segserve_quant.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
@@ -47,7 +48,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define NT 4 /* rows of W per register tile */
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 5; }
+int sg_abi_version(void) { return 6; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -76,29 +77,6 @@ static inline void store_dt(void *p, int64_t i, float v, int dt) {
 
 static inline float round_dt(float v, int dt) { return dt == DT_F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
 
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-/* exp(x) for float32 lanes (Cephes expf's range reduction and polynomial; ~1 ulp), inputs clamped below
- * at -87.3 so the result underflows to ~0 rather than misbehaving. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Round float32 lanes to dt (bfloat16: vcvtneps2bf16, round to nearest even). */
 static inline __m512 round16(__m512 v, int dt) {
     if (dt == DT_F32) return v;
@@ -107,7 +85,7 @@ static inline __m512 round16(__m512 v, int dt) {
 }
 
 static inline __m512 load16(const void *p, int64_t i, int dt) {
-    return dt == DT_F32 ? _mm512_loadu_ps((const float *)p + i) : bf16x16_to_f32((const uint16_t *)p + i);
+    return dt == DT_F32 ? _mm512_loadu_ps((const float *)p + i) : sg_bf16x16_to_f32((const uint16_t *)p + i);
 }
 
 /* Store 16 lanes holding dt values: float32 as they are, bfloat16 by truncation (they are exact). */
@@ -214,7 +192,7 @@ static void prologue_row(int dt, int prologue, int64_t K, const void *x, int64_t
         const __m512 one = _mm512_set1_ps(1.0f);
         for (int64_t k = 0; k < K; k += 16) {
             __m512 g = load16(x, base + k, dt);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 e = sg_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
             __m512 sg = round16(_mm512_div_ps(g, _mm512_add_ps(one, e)), dt);
             store16(xin, out + k, round16(_mm512_mul_ps(sg, load16(x, base + K + k, dt)), dt), dt);
         }
@@ -309,7 +287,7 @@ static int quant_linear(const sg_linear_args *a) {
             if (dt == DT_F32) continue; /* the prologue wrote float32 rows into buf */
             const uint16_t *src = a->prologue != PRO_NONE ? (const uint16_t *)rows + m * K
                                                           : (const uint16_t *)a->x + m * ldx;
-            for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(buf + m * K + k, bf16x16_to_f32(src + k));
+            for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(buf + m * K + k, sg_bf16x16_to_f32(src + k));
         }
         xf = buf;
         ld = K;
@@ -497,7 +475,7 @@ static inline __attribute__((always_inline)) void segment_partial(
         __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(mg);
         for (i = 0; i < n; i += 16) {
             __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
+            __m512 e = sg_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
             e = _mm512_maskz_mov_ps(k, e);
             _mm512_mask_storeu_ps(s + i, k, e);
             sum = _mm512_add_ps(sum, e);

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "segserve_quant.h"
+#include "segserve_simd.h"
 
 #if !defined(__AVX512F__) || !defined(__F16C__)
 #error "segserve quantized kernels need AVX-512F and F16C"

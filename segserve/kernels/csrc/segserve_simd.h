@@ -1,0 +1,40 @@
+/* What the segserve C files share: AVX-512 helpers and the one AMX probe.
+ *
+ * Included by every csrc/*.c; build.py hashes it with them, so an edit here rebuilds the library.
+ * Everything is static inline except sg_amx_granted, defined once in segserve_amx.c.
+ */
+#ifndef SEGSERVE_SIMD_H
+#define SEGSERVE_SIMD_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+/* 16 bfloat16 values widened to float32 (exact: a bfloat16 is the top half of a float32). */
+static inline __m512 sg_bf16x16_to_f32(const uint16_t *p) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* exp(x) for float32 lanes (Cephes expf's range reduction and polynomial; ~1 ulp), inputs clamped below
+ * at -87.3 so the result underflows to ~0 rather than misbehaving. */
+static inline __m512 sg_exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 1 when this process may run AMX-BF16 tiles (CPUID, XCR0 and Linux's tile permission, requested on the
+ * first call; the grant is per process), else 0. Probes once; later calls return the answer. */
+__attribute__((visibility("hidden"))) int sg_amx_granted(void);
+
+#endif

@@ -1,0 +1,57 @@
+"""The kernel families' on/off switches and the build key's coverage of headers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from segserve.kernels import amx, build, chunk_attention
+from segserve.kernels import cpu as cpu_kernels
+from segserve.kernels.switch import Switch, env_on
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False), ("off", False),
+                                            (" No ", False), ("false", False), ("yes", True)])
+def test_env_on_reads_the_documented_off_words(monkeypatch, value, on) -> None:
+    if value is None:
+        monkeypatch.delenv("SEGSERVE_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("SEGSERVE_TEST_SWITCH", value)
+    assert env_on("SEGSERVE_TEST_SWITCH") is on
+    assert Switch("SEGSERVE_TEST_SWITCH").on is on
+
+
+def test_switch_off_restores_the_previous_setting_even_on_error() -> None:
+    s = Switch("SEGSERVE_TEST_SWITCH_UNSET")
+    assert s.set(False) is True and s.set(True) is False
+    with pytest.raises(RuntimeError), s.off():
+        assert not s.on
+        raise RuntimeError
+    assert s.on
+    assert s.off_reason() == "switched off (SEGSERVE_TEST_SWITCH_UNSET=0 or set_enabled(False))"
+
+
+def test_each_family_switches_alone() -> None:
+    # chunk attention asks the AMX hardware probe, not the AMX GEMM's switch: turning the GEMM off
+    # leaves the attention kernel as it was.
+    before = chunk_attention.available()
+    with amx.disabled():
+        assert not amx.available()
+        assert chunk_attention.available() == before
+    with chunk_attention.disabled():
+        assert not chunk_attention.available()
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.enabled() and not amx.available() and not chunk_attention.available()
+        reason = cpu_kernels.unavailable_reason()
+        assert reason == "switched off (SEGSERVE_CPU_KERNELS=0 or set_enabled(False))"
+
+
+def test_editing_a_header_changes_the_build_key(tmp_path: Path, monkeypatch) -> None:
+    header = tmp_path / "x.h"
+    header.write_text("#define A 1\n")
+    monkeypatch.setattr(build, "HEADERS", (header,))
+    first = build.source_hash()
+    header.write_text("#define A 2\n")
+    assert build.source_hash() != first
+    assert build.CSRC / "segserve_simd.h" in tuple(sorted(build.CSRC.glob("*.h")))
