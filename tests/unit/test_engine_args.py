@@ -143,7 +143,8 @@ def test_cli_defaults_are_the_keyword_defaults():
 def test_cli_flags_build_the_config_the_keywords_build():
     flags = parse(
         [
-            "--model", "m.gguf", "--dtype", "bfloat16", "--quantization", "none", "--block-size", "8", "--num-kv-blocks", "40",
+            "--model", "m.gguf", "--dtype", "bfloat16", "--quantization", "none", "--block-size", "8",
+            "--num-kv-blocks", "40",
             "--kv-cache-memory", "0.5", "--max-model-len", "1000", "--max-num-batched-tokens", "64",
             "--max-num-seqs", "5", "--no-enable-prefix-caching", "--long-prefill-token-threshold", "32",
             "--kv-segment-size", "1024", "--attention-backend", "reference",
