@@ -83,7 +83,8 @@ def test_the_loader_keeps_blocks_and_no_float_copy(files):
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.qtype == "Q4_1"
     assert model.quantized_lm_head is not None and model.lm_head is None
     for layer in model.layers:
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             assert isinstance(m, QuantLinear) and m.qtype == "Q4_1"
     # Floats left: the norms only (2 per layer + the final one), 64 values each.
     assert sum(p.numel() for p in model.parameters()) == (2 * 2 + 1) * 64
@@ -118,8 +119,9 @@ def test_a_truncated_file_names_the_tensor_that_runs_past_its_end(files, tmp_pat
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: end - 100])  # the last tensor loses its tail
     assert last.name == "output.weight"
-    with pytest.raises(ValueError, match=r"tensor 'output\.weight' \(300, 64\) of type Q8_0 needs bytes up to "
-                                         rf"offset {end}, but the file has {end - 100} \(truncated\)"):
+    message = (r"tensor 'output\.weight' \(300, 64\) of type Q8_0 needs bytes up to "
+               rf"offset {end}, but the file has {end - 100} \(truncated\)")
+    with pytest.raises(ValueError, match=message):
         load_model(cut)
 
 
