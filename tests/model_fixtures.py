@@ -143,8 +143,10 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}"
 
 
-def write_tiny_gguf(path: Path, hf_model: Any, tokenizer: Any, extra_tensors: dict | None = None,
-                    add_bos: bool = False, qtype: str | None = None, types: dict[str, str] | None = None) -> None:
+def write_tiny_gguf(
+    path: Path, hf_model: Any, tokenizer: Any, extra_tensors: dict | None = None, add_bos: bool = False,
+    qtype: str | None = None, types: dict[str, str] | None = None,
+) -> None:
     """Write ``hf_model`` (float32 weights, Q/K permuted as llama.cpp does) and ``tokenizer`` to a GGUF.
 
     ``qtype`` (e.g. ``"Q4_1"``) stores every 2-D tensor (projections, embedding, LM head) in that GGUF
