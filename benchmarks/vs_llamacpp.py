@@ -78,8 +78,8 @@ def build_llama_cpp(cache: Path, jobs: int) -> Path:
                     "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"],
                    check=True)
-    subprocess.run(["cmake", "--build", str(build), "-j", str(jobs), "--target", "llama-bench", "llama-quantize"],
-                   check=True)
+    targets = ["--target", "llama-bench", "llama-quantize"]
+    subprocess.run(["cmake", "--build", str(build), "-j", str(jobs), *targets], check=True)
     return bindir
 
 
@@ -205,15 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         result["files"][label] = entry
     if not args.skip_memory:
         result["memory"] = {q: memory_after_load(args.threads, q) for q in ("default", "none")}
-        mem = result["memory"]["default"]
+        mem, dense = result["memory"]["default"], result["memory"]["none"]
         verdict = "PASS" if mem["weights_mb"] <= WEIGHT_GOAL_MB else "FAIL"
         lines.append(f"memory after LLM(): weights {mem['weights_mb']:.1f} MB (goal <= {WEIGHT_GOAL_MB:.0f}) "
                      f"{verdict}, RSS {mem['rss_mb']:.0f} MB; dequantized: weights "
-                     f"{result['memory']['none']['weights_mb']:.1f} MB, RSS {result['memory']['none']['rss_mb']:.0f} MB")
+                     f"{dense['weights_mb']:.1f} MB, RSS {dense['rss_mb']:.0f} MB")
     for line in lines:
         print(line)
     passed = sum("PASS" in ln for ln in lines)
-    print(f"vs_llamacpp: {passed}/{len(lines)} goals met ({result['cpu']}, {args.threads} threads, {args.dtype})")
+    print(f"vs_llamacpp: {passed}/{len(lines)} goals met ({result['cpu']}, {args.threads} threads, "
+          f"{args.dtype})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     return 0
