@@ -13,7 +13,7 @@ engines read the very same Q8_0 file), with ``--threads`` threads each (default 
   dequantized (``quantization="none"``) model and a small KV cache (64 MiB) so the figure is the model's.
 
 llama.cpp is built from the source vendored in the llama-cpp-python 0.3.36 sdist on first use (``pip
-download --no-deps --no-binary :all:``, cmake, native CPU flags) into
+download --no-deps --no-binary llama-cpp-python``, cmake, native CPU flags) into
 ``~/.cache/segserve/baselines/llama.cpp-0.3.36`` (``--cache``): a benchmark tool, never a segserve
 dependency, never run in CI. Each engine runs alone, the other idle; medians of ``--repeats``.
 
@@ -64,8 +64,12 @@ def build_llama_cpp(cache: Path, jobs: int) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     sdist = next(cache.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"), None)
     if sdist is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(cache)], check=True)
+        # The sdist, not a wheel. ``--no-binary :all:`` would also make pip build the sdist's own build
+        # dependencies (scikit-build-core, hatchling, setuptools...) from source just to read its
+        # metadata: over 15 minutes here without finishing; naming the one package keeps it an sdist.
+        name = "llama-cpp-python"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name,
+                        f"{name}=={LLAMA_CPP_PYTHON}", "-d", str(cache)], check=True)
         sdist = next(cache.glob("llama_cpp_python-*.tar.gz"))
     src = cache / "src"
     if not src.is_dir():
