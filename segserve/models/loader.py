@@ -5,6 +5,11 @@ llama.cpp's Q/K row permutation is undone), check the set of names against the c
 or unused tensor is a ``ValueError`` naming it), fuse q/k/v and gate/up, and assign the result into a
 ``LlamaForCausalLM`` built on the meta device (no random init, no second copy). Nothing is
 downloaded: Hugging Face calls run with ``local_files_only=True``.
+
+GGUF Q8_0, Q4_0 and Q4_1 tensors are kept in their block form by default (``QuantWeight``; their
+modules become ``segserve.models.quant_linear.QuantLinear`` / ``QuantEmbedding``): the Q/K
+permutation moves whole rows of blocks, and a fused projection concatenates its parts' block rows.
+Quantizing is per row, so both commute with it. ``quantization="none"`` dequantizes instead.
 """
 
 from __future__ import annotations
