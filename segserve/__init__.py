@@ -1,10 +1,15 @@
 """segserve: an LLM inference engine built around prefill processing.
 
 ``LLM``, ``LLMEngine`` and the outputs load torch, so they are imported lazily: ``segserve.core``
-(scheduler, KV cache manager) stays importable without torch.
+(scheduler, KV cache manager) stays importable without torch. Importing it first sets OpenMP's spin
+count for the process (``segserve.openmp``), before torch starts its thread pool.
 """
 
-from segserve.sampling_params import SamplingParams
+from segserve import openmp
+
+openmp.configure()
+
+from segserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
