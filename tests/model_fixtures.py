@@ -30,7 +30,7 @@ _TRAIN_TEXT = (
 def new_caches(model: Any, num_blocks: int, block_size: int) -> list[torch.Tensor]:
     """One zeroed ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, in the model's dtype."""
     cfg = model.config
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.activation_dtype
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 

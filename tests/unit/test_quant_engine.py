@@ -169,3 +169,12 @@ def test_bfloat16_native_engine_runs_and_stays_near_float32(files):
         top = next(iter(first_a))
         assert top in first_b and abs(first_a[top] - first_b[top]) < 0.1
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_simulators_model_shape_counts_block_weights_as_values(files):
+    """Regression: ``num_params`` counted parameters only, so a model in blocks had just its norms."""
+    from segserve.simulator.profile import model_shape_of
+
+    native, dense = load_model(files["tied"]), load_model(files["tied"], quantization="none")
+    assert model_shape_of(native)["num_params"] == model_shape_of(dense)["num_params"] == 300 * 64 + 2 * (
+        64 * (64 + 32 + 32) + 64 * 64 + 2 * 96 * 64 + 64 * 96) + 5 * 64
