@@ -96,6 +96,7 @@ def test_a_struct_of_another_size_is_refused_by_the_library(name: str) -> None:
     lib, cls = amx._library(), ENTRY_POINTS[name]
     assert lib is not None, cpu_kernels.unavailable_reason()
     assert chunk_kernels._library() is lib  # types sg_chunk_attention's argument (a pointer, not a copy)
+    assert quant_kernels._library() is lib  # and sg_qdequant's (untyped: ctypes would pass it by value)
     for size in (0, cls.SIZE - 8, cls.SIZE + 8):
         args = cls(size=size)
         # One head of dim 16: were the size not checked, the shape checks would answer (-1 or 0)
