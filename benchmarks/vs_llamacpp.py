@@ -107,8 +107,10 @@ def parse_llama_bench(text: str) -> dict[str, float]:
 
 
 def llama_bench(bindir: Path, model: Path, threads: int, repeats: int) -> dict:
+    # --repack 0: with repacking on (the default), this build's AMX path for quantized weights
+    # (ggml_backend_amx_mul_mat) crashes with SIGSEGV on the AMX Xeon; the plain CPU path runs.
     cmd = [str(bindir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "512", "-n", "128",
-           "-r", str(repeats), "-o", "json"]
+           "-r", str(repeats), "--repack", "0", "-o", "json"]
     before = load_average()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return {**parse_llama_bench(proc.stdout), "command": " ".join(cmd), "load_before": before,
