@@ -12,13 +12,15 @@ openmp.configure()
 from segserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "__version__"]
 
 _LAZY = {
     "LLM": "segserve.engine.llm",
     "LLMEngine": "segserve.engine.llm_engine",
     "RequestOutput": "segserve.outputs",
     "CompletionOutput": "segserve.outputs",
+    "Logprob": "segserve.outputs",
 }
 
 

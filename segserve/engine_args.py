@@ -164,6 +164,9 @@ class EngineArgs:
         for name, options in _FLAGS:
             if name == "kv_cache_memory_bytes":
                 g.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory_bytes / GIB, **options)
+                g.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
+                               help="KV cache budget in bytes, vLLM's flag (1G = 10^9, 1Gi = 2^30); wins "
+                               "over --kv-cache-memory")
             else:
                 g.add_argument("--" + name.replace("_", "-"), default=getattr(EngineArgs, name), **options)
 
@@ -173,7 +176,8 @@ class EngineArgs:
         given: dict[str, Any] = {
             name: getattr(args, name) for name, _ in _FLAGS if name != "kv_cache_memory_bytes"
         }
-        given["kv_cache_memory_bytes"] = int(args.kv_cache_memory * GIB)
+        exact = getattr(args, "kv_cache_memory_bytes", None)
+        given["kv_cache_memory_bytes"] = exact if exact is not None else int(args.kv_cache_memory * GIB)
         if given["max_num_batched_tokens"] == "auto":
             raise ValueError(
                 "--max-num-batched-tokens auto is sized from the step profile by `segserve serve` and "
@@ -182,12 +186,34 @@ class EngineArgs:
         return cls(**given)
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def human_int(text: str) -> int:
+    """A byte count: ``"4000000"``, ``"4G"`` (10^9) or ``"4Gi"`` (2^30); decimals allowed with a unit.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value.
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?)?\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 4000000, 4G or 4Gi, got {text!r}")
+    unit = _UNITS[(m.group(2) or "").lower()]
+    if unit == 1 and "." in m.group(1):
+        raise argparse.ArgumentTypeError(f"a byte count without a unit must be whole, got {text!r}")
+    return int(float(m.group(1)) * unit)
+
+
 # (field, argparse options) of each engine flag, in ``--help`` order. The flag is the field with
 # dashes (``block_size``: ``--block-size``), but for ``kv_cache_memory_bytes``: ``--kv-cache-memory``,
 # in GiB. ``num_batched_tokens_buckets`` has no flag.
 _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("model", dict(help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")),
-    ("dtype", dict(choices=["float32", "bfloat16"])),
+    ("dtype", dict(choices=["auto", "float32", "bfloat16"],
+                   help="auto: the checkpoint's (bfloat16 for a bf16/fp16 HF directory, else float32)")),
     (
         "quantization",
         dict(

@@ -4,8 +4,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# One position's logprobs: token id -> logprob, the chosen token first, then the top-k.
-Logprobs = dict[int, float]
+
+class Logprob(float):
+    """One token's logprob, shaped like vLLM's ``Logprob`` (``.logprob``, ``.rank``,
+    ``.decoded_token``) while staying the float it is, so ``lps[tok]`` still reads as a number.
+
+    Args:
+        logprob: natural-log probability under the model's raw logits.
+        rank: how many tokens are at least as likely (1 = the most likely).
+        decoded_token: the token's text alone.
+    """
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        obj = super().__new__(cls, logprob)
+        obj.rank, obj.decoded_token = rank, decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+# One position's logprobs: token id -> Logprob, the chosen token first, then the top-k.
+Logprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -17,7 +44,7 @@ class CompletionOutput:
         text: generated text so far (cumulative, stop string excluded).
         token_ids: generated token ids so far.
         cumulative_logprob: sum of the sampled tokens' logprobs when ``logprobs`` was requested.
-        logprobs: per generated token, {token_id: logprob} for the sampled token and the top-k.
+        logprobs: per generated token, {token_id: Logprob} for the sampled token and the top-k.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
     """
@@ -82,7 +109,7 @@ class RequestOutput:
         request_id: the request's id.
         prompt: the prompt text (None when token ids were given).
         prompt_token_ids: the prompt's token ids.
-        prompt_logprobs: per prompt position, {token_id: logprob} (None for the first position), or
+        prompt_logprobs: per prompt position, {token_id: Logprob} (None for the first position), or
             None when not requested.
         outputs: the completions.
         finished: all completions finished.

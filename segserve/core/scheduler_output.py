@@ -96,12 +96,12 @@ class ModelRunnerOutput:
 
     Attributes:
         sampled_token_ids: req_id -> tokens sampled this step (one, or none for a partial prefill).
-        logprobs: req_id -> per sampled token, a list of (token_id, logprob) pairs: the sampled token
+        logprobs: req_id -> per sampled token, a list of (token_id, logprob, rank): the sampled token
             first, then the top-k (``SamplingParams.logprobs``). Absent when not requested.
         prompt_logprobs: req_id -> for the prompt positions computed this step, the same pairs for
             the actual next prompt token then the top-k. Absent when not requested.
     """
 
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    logprobs: dict[str, list[list[tuple[int, float, int]]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[list[tuple[int, float, int]]]] = field(default_factory=dict)

@@ -36,6 +36,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (an exception in ``step`` or a shutdown); no request can proceed."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down: its grace period ended and every request left was aborted."""
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """What one engine step did, handed to step observers on the engine thread.
@@ -133,6 +137,7 @@ class AsyncLLMEngine:
         self._generated: dict[str, int] = {}  # request id -> tokens seen so far (engine thread)
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
+        self._closing: ShuttingDownError | None = None  # set by abort_all (engine thread)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -171,12 +176,20 @@ class AsyncLLMEngine:
         """Await ``fn()`` run on the engine thread (e.g. ``engine.check_integrity``)."""
         return await asyncio.wrap_future(self.call(fn))
 
+    def abort_all(self, reason: str) -> concurrent.futures.Future[int]:
+        """Abort every request and refuse new ones (the end of a shutdown's grace period): each open
+        stream ends with ``ShuttingDownError(reason)``; their blocks are freed. The future holds how
+        many requests were aborted."""
+        return self.call(lambda: self._abort_all_now(ShuttingDownError(reason)))
+
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step); does not wait."""
         self.call(lambda: self._abort_now(request_id))
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> OutputStream:
-        """Add a request; returns its stream once the engine thread accepted it.
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          cache_salt: str | None = None) -> OutputStream:
+        """Add a request; returns its stream once the engine thread accepted it. ``cache_salt`` enters
+        the hash of its first KV block, so requests with different salts never share cached blocks.
 
         Raises:
             ValueError: invalid prompt or parameters (from ``LLMEngine.add_request``); nothing queued.
@@ -185,7 +198,7 @@ class AsyncLLMEngine:
         """
         stream = OutputStream(self, request_id, asyncio.get_running_loop())
         try:
-            await self.run(lambda: self._add_now(request_id, prompt, params, stream))
+            await self.run(lambda: self._add_now(request_id, prompt, params, stream, cache_salt))
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may still run after the caller left
             raise
@@ -208,15 +221,18 @@ class AsyncLLMEngine:
     # ---- the engine thread -------------------------------------------------------------------------
 
     def _add_now(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, stream: OutputStream
+        self, request_id: str, prompt: PromptType, params: SamplingParams, stream: OutputStream,
+        cache_salt: str | None = None,
     ) -> None:
+        if self._closing is not None:
+            raise self._closing
         waiting = len(self.engine.scheduler.waiting)
         if waiting + params.n > self.max_waiting_requests:
             raise QueueFullError(
                 f"server busy: the waiting queue holds {waiting} requests and this one adds {params.n}, "
                 f"above max_waiting_requests={self.max_waiting_requests}; retry later"
             )
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
         self._streams[request_id] = stream
         self._generated[request_id] = 0
 
@@ -228,6 +244,19 @@ class AsyncLLMEngine:
         self._generated.pop(request_id, None)
         for observer in self.observers:
             observer.on_abort(request_id)
+
+    def _abort_all_now(self, error: ShuttingDownError) -> int:
+        self._closing = error
+        ids = list(self._streams)
+        for rid in ids:
+            self._deliver(rid, error, last=True)
+            self.engine.abort_request(rid)
+            self._generated.pop(rid, None)
+            for observer in self.observers:
+                observer.on_abort(rid)
+        if ids:
+            logger.info("shutdown: aborted %d requests", len(ids))
+        return len(ids)
 
     def _run(self) -> None:
         try:

@@ -34,6 +34,9 @@ class IncrementalDetokenizer:
         stop: stop strings (non-empty).
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         min_tokens: stop strings are ignored until more than this many tokens were generated (vLLM).
+        spaces_between_special_tokens: with ``False`` (and special tokens kept), added tokens are
+            written as their exact content, with no space the tokenizer's decoder might put around
+            them (Hugging Face slow tokenizers' meaning); ``True`` decodes as the tokenizer does.
 
     Attributes:
         stop_string_hit: the stop string that ended the text, or ``None``.
@@ -49,6 +52,7 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError(f"stop strings must be non-empty, got {stop!r}")
@@ -57,6 +61,9 @@ class IncrementalDetokenizer:
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
+        self._added: dict[int, str] = {}
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         self._tail_len = max((len(s) for s in self._stop), default=1) - 1
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -100,6 +107,20 @@ class IncrementalDetokenizer:
         return self._commit(full_text[len(prefix_text):], final=True)
 
     def _decode(self, ids: list[int]) -> str:
+        if not self._added:
+            return self._decode_run(ids)
+        pieces, run = [], []
+        for t in ids:
+            if t in self._added:
+                pieces += [self._decode_run(run), self._added[t]]
+                run = []
+            else:
+                run.append(t)
+        return "".join(pieces) + self._decode_run(run)
+
+    def _decode_run(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
         # No clean-up of tokenization spaces: it rewrites " ." and similar across window edges.
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False

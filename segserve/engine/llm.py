@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,44 @@ from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, str]]
+logger = logging.getLogger("segserve")
+
+# vLLM ``LLM(...)`` keywords that change nothing here, with the value each must have (None: any).
+CPU_NO_OPS: dict[str, Any] = {
+    "gpu_memory_utilization": None,
+    "enforce_eager": None,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "disable_log_stats": None,
+    "swap_space": None,
+    "max_seq_len_to_capture": None,
+    "cuda_graph_sizes": None,
+    "disable_custom_all_reduce": None,
+    "trust_remote_code": None,
+}
+
+
+def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings among ``LLM(...)``'s keywords; CPU no-ops noted and dropped, others refused."""
+    import dataclasses
+
+    from segserve.engine_args import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    out = {}
+    for name, value in kwargs.items():
+        if name in fields:
+            out[name] = value
+        elif name in CPU_NO_OPS:
+            required = CPU_NO_OPS[name]
+            if required is not None and value != required:
+                raise ValueError(f"{name}={value!r} is not supported: segserve runs on one CPU ({name}=1)")
+            logger.info("LLM(%s=%r): no effect on CPU, ignored", name, value)
+        else:
+            raise TypeError(f"LLM() got an unsupported keyword {name!r}; it takes the EngineArgs fields "
+                            f"({', '.join(sorted(fields))}) and vLLM's CPU no-ops ({', '.join(CPU_NO_OPS)})")
+    return out
 
 
 class LLM:
@@ -26,11 +65,17 @@ class LLM:
             ``max_num_batched_tokens``, ``max_num_seqs``, ``enable_prefix_caching``,
             ``long_prefill_token_threshold``, ``kv_segment_size``, ``num_batched_tokens_buckets``,
             ``attention_backend``, ``scheduling_policy``, ``max_num_partial_prefills``,
-            ``attention_cost_tokens``, ``seed``).
+            ``attention_cost_tokens``, ``seed``). vLLM's keywords that mean nothing on one CPU
+            (``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size=1``, ...) are
+            accepted with a one-line log note (``CPU_NO_OPS``); any other keyword is refused by name.
+
+    Raises:
+        TypeError: a keyword that is neither an engine setting nor a CPU no-op, naming it.
+        ValueError: an invalid setting (``LLMEngine``), or a parallel size other than 1.
     """
 
     def __init__(self, model: Any = None, **engine_kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(model=model, **engine_kwargs)
+        self.llm_engine = LLMEngine(model=model, **_engine_kwargs(engine_kwargs))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -105,15 +150,25 @@ class LLM:
 
 
 def chat_prompt_ids(
-    engine: LLMEngine, messages: ChatMessages, add_generation_prompt: bool = True
+    engine: LLMEngine,
+    messages: ChatMessages,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS)."""
+    """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS).
+
+    ``template_kwargs`` are extra variables for the template (vLLM's ``chat_template_kwargs``).
+    """
     tokenizer = engine.tokenizer
     template = engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"model {engine.loaded.name} has no chat template; pass plain prompts instead")
     text = tokenizer.apply_chat_template(
-        messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        messages,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **(template_kwargs or {}),
     )
     return tokenizer.encode(text, add_special_tokens=False)
 

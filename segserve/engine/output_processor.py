@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from segserve.core.scheduler import EngineCoreOutput
 from segserve.engine.detokenizer import IncrementalDetokenizer
-from segserve.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from segserve.outputs import CompletionOutput, Logprob, Logprobs, RequestMetrics, RequestOutput
 from segserve.sampling_params import SamplingParams
 
 
@@ -100,6 +100,8 @@ class OutputProcessor:
                     prompt_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop_strings,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
                     min_tokens=params.min_tokens,
                 ),
                 want_logprobs=params.logprobs is not None,
@@ -144,7 +146,7 @@ class OutputProcessor:
             completion = state.completions[parent[1]]
             state.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs and state.prompt_logprobs is not None and parent[1] == 0:
-                state.prompt_logprobs.extend(dict(pairs) for pairs in out.prompt_logprobs)
+                state.prompt_logprobs.extend(self._position(entries) for entries in out.prompt_logprobs)
             if out.new_token_ids:
                 self._append_tokens(state, completion, out, now)
                 if completion.detokenizer.stop_string_hit is not None and completion.finish_reason is None:
@@ -168,9 +170,9 @@ class OutputProcessor:
         completion.token_ids.extend(out.new_token_ids)
         completion.detokenizer.update(out.new_token_ids)
         if completion.want_logprobs and out.logprobs:
-            for pairs in out.logprobs:
-                completion.logprobs.append(dict(pairs))
-                completion.cumulative_logprob += pairs[0][1]
+            for entries in out.logprobs:
+                completion.logprobs.append(self._position(entries))
+                completion.cumulative_logprob += entries[0][1]
         if completion.index == 0:
             metrics = state.metrics
             if metrics.first_token_time is None:
@@ -179,6 +181,10 @@ class OutputProcessor:
             else:
                 metrics.num_decode_tokens += len(out.new_token_ids)
             metrics.last_token_time = now
+
+    def _position(self, entries: list[tuple[int, float, int]]) -> Logprobs:
+        """One position's (id, logprob, rank) entries as {id: Logprob}, the chosen token first."""
+        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in entries}
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns the child ids to abort in the scheduler."""

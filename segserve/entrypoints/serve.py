@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 from segserve.engine_args import EngineArgs
+from segserve.entrypoints.openai.limits import DEFAULT_GRACE_S, DEFAULT_MAX_BODY_BYTES
+from segserve.entrypoints.ray_serve import settings as scale_out
 from segserve.simulator.budget import AUTO, add_budget_args
 
 log = logging.getLogger("segserve")
@@ -15,7 +18,13 @@ log = logging.getLogger("segserve")
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     srv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="GGUF file or HF directory, as vLLM's `serve MODEL` (same as --model)")
     EngineArgs.add_cli_args(srv)
+    srv.add_argument(
+        "--api-key", default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $SEGSERVE_API_KEY; else none)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -27,6 +36,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="bound on the waiting queue; requests beyond it get HTTP 503",
     )
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
+    srv.add_argument(
+        "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get HTTP 413 before they are read or parsed (default: 8 MiB)",
+    )
+    srv.add_argument(
+        "--shutdown-grace-period", type=float, default=DEFAULT_GRACE_S,
+        help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted; the "
+        "server then exits 0 (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--cache-salt-by-api-key", action="store_true",
+        help="salt every request's prefix cache with a digest of its API key (Authorization: Bearer), so "
+        "clients with different keys never share cached blocks and cannot probe each other's prompts "
+        "through usage.prompt_tokens_details.cached_tokens",
+    )
     add_budget_args(srv)
     srv.add_argument(
         "--profile", default=None,
@@ -38,28 +62,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="no usable cached profile for this machine: measure one at start-up (about a minute on 2 idle "
         "cores; profile --quick) and cache it",
     )
+    scale_out.add_cli_args(srv)
     # The server sizes its budget for --target-itl-ms; offline use (LLM, generate) keeps 512.
     srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the engine thread and serve until interrupted."""
-    import uvicorn
-
+    """Load the model, start the engine thread and serve until SIGTERM/SIGINT; then shut down within
+    ``--shutdown-grace-period`` and exit the process with status 0 (``shutdown.exit_now``)."""
     from segserve import LLMEngine
     from segserve.engine.step_monitor import StepErrorMonitor
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
+    from segserve.entrypoints.openai.shutdown import exit_now, serve
 
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if not args.shutdown_grace_period >= 0:
+        raise ValueError(f"--shutdown-grace-period must be >= 0 seconds, got {args.shutdown_grace_period}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    use_ray = scale_out.wants_ray(args)
+    if use_ray:
+        scale_out.ScaleOut.from_cli_args(args).check_reachable()  # bad flags fail before any model work
+    resolve_model_arg(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
     auto = args.max_num_batched_tokens == AUTO
     given = None if auto else settle_budget(args, None)  # a bad number fails before any calibration
     choice = _step_profile(args)
     args.max_num_batched_tokens = (given or settle_budget(args, choice)).budget
+    if use_ray:
+        from segserve.entrypoints.ray_serve.launch import run_cluster
+
+        return run_cluster(args, budget_source="auto" if auto else "given")
     llm_engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     log.info("loaded in %.1f s: %s", time.perf_counter() - t0, llm_engine.describe())
     if choice is not None:
@@ -67,15 +104,28 @@ def run_serve(args: argparse.Namespace) -> int:
         llm_engine.step_monitor = StepErrorMonitor(choice.model, source=source)
     app, engine = make_server(
         llm_engine, args.served_model_name, args.max_waiting_requests, args.log_interval,
-        budget_source="auto" if auto else "given",
+        budget_source="auto" if auto else "given", max_request_body_bytes=args.max_request_body_bytes,
+        cache_salt_by_api_key=args.cache_salt_by_api_key,
+        api_key=args.api_key or os.environ.get("SEGSERVE_API_KEY") or None,
     )
     sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])
-    try:
-        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
-    finally:
-        engine.shutdown()
-    return 0
+    serve(app, sock, engine, args.shutdown_grace_period)
+    exit_now(0)
+    return 0  # not reached
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """``serve MODEL`` and ``--model`` name the same thing; both given and different is an error.
+    ``--dtype auto`` becomes the checkpoint's dtype here, so the step profile is looked up for it."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if args.dtype == "auto":
+        from segserve.engine.llm_engine import auto_dtype
+
+        args.dtype = str(auto_dtype(args.model)).removeprefix("torch.")
 
 
 def _step_profile(args: argparse.Namespace):

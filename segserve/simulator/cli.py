@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from segserve.engine_args import EngineArgs
+from segserve.routing.prefix_affinity import add_affinity_args
 from segserve.simulator.budget import add_budget_args
 
 ROOFLINE_MODELS = ("llama-8b", "smollm2-135m")
@@ -118,6 +119,7 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--router", default="round_robin", choices=["round_robin", "least_loaded", "prefix_affinity"]
     )
+    add_affinity_args(g)
     g.add_argument(
         "--disaggregated",
         default=None,
@@ -219,7 +221,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.disaggregated:
         res, extra = _simulate_disagg(args, reqs, cfg, num_blocks, model)
     else:
-        res = simulate(reqs, cfg, num_blocks, model, args.num_replicas, args.router)
+        res = simulate(reqs, cfg, num_blocks, model, args.num_replicas, args.router,
+                       imbalanced_threshold=args.router_imbalanced_threshold,
+                       match_rate_threshold=args.router_match_rate_threshold)
     summary = summarize(res.requests, slos) | extra
     result = {
         "settings": _settings(cfg, num_blocks, args, model),
@@ -260,6 +264,8 @@ def _settings(cfg, num_blocks, args, model) -> dict:
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         "num_replicas": args.num_replicas,
         "router": args.router,
+        "router_imbalanced_threshold": args.router_imbalanced_threshold,
+        "router_match_rate_threshold": args.router_match_rate_threshold,
         "disaggregated": args.disaggregated,
         "link_bandwidth_gbs": args.link_bandwidth,
         "profile": model.to_dict(),

@@ -2,12 +2,13 @@
 
 One replica is the plain single-engine simulation. With several, a router picks a replica per
 request: ``round_robin``; ``least_loaded`` (fewest tokens left to compute or generate); or
-``prefix_affinity``: the replica that was sent the longest run of the request's leading Mooncake
-hash blocks before, i.e. whose prefix cache most likely holds them (after SGLang's cache-aware
-router); ties and requests matching nothing go to the least-loaded replica, and so does a request
-whose best match is overloaded (its load above 1.5x the least load plus 4,096 tokens), so one hot
-prefix, like a shared system prompt, cannot pin all traffic on one replica. The router remembers
-what it sent, not what the replica's cache still holds (evictions are not seen).
+``prefix_affinity``: the rule of ``segserve.routing.prefix_affinity`` that the Ray Serve deployment
+(``segserve serve --num-replicas N --router prefix_affinity``) runs, with the same thresholds: the
+replica that was sent the longest run of the request's leading Mooncake hash blocks before, among
+replicas whose unfinished requests are within ``imbalanced_threshold`` of the least, if it matches at
+least ``match_rate_threshold`` of the blocks; else the least-loaded replica (by unfinished requests,
+the queue length Serve sees), so one hot prefix, like a shared system prompt, cannot pin all traffic
+on one replica.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ import math
 from dataclasses import dataclass
 
 from segserve.config import EngineConfig
+from segserve.routing.prefix_affinity import (
+    DEFAULT_IMBALANCED_THRESHOLD,
+    DEFAULT_MATCH_RATE_THRESHOLD,
+    PrefixAffinity,
+    chained_keys,
+)
 from segserve.simulator.replica import Replica, RequestRecord, StepRecord
 from segserve.simulator.step_model import StepTimeModel
 from segserve.simulator.workload import TraceRequest, prompt_token_ids
@@ -47,55 +54,35 @@ class SimResult:
 class Router:
     """Chooses a replica per request (see the module docstring for the policies).
 
+    Args:
+        policy: one of ``ROUTERS``.
+        num_replicas: replicas to choose from.
+        imbalanced_threshold, match_rate_threshold: ``prefix_affinity``'s knobs (``PrefixAffinity``).
+
     Raises:
-        ValueError: an unknown policy name.
+        ValueError: an unknown policy name or a bad threshold.
     """
 
-    def __init__(self, policy: str, num_replicas: int) -> None:
+    def __init__(
+        self,
+        policy: str,
+        num_replicas: int,
+        imbalanced_threshold: float = DEFAULT_IMBALANCED_THRESHOLD,
+        match_rate_threshold: float = DEFAULT_MATCH_RATE_THRESHOLD,
+    ) -> None:
         if policy not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {policy!r}")
         self.policy, self.n, self._next = policy, num_replicas, 0
-        # Per replica: chained keys of the hash-id prefixes routed to it.
-        self._seen: list[set[int]] = [set() for _ in range(num_replicas)]
+        self.affinity = PrefixAffinity(imbalanced_threshold, match_rate_threshold)
 
     def pick(self, req: TraceRequest, replicas: list[Replica]) -> Replica:
         if self.policy == "round_robin":
             self._next = (self._next + 1) % self.n
             return replicas[self._next - 1]
-        least = min(replicas, key=lambda r: (r.load, r.index))
-        if self.policy == "least_loaded" or not req.hash_ids:
-            return least
-        keys = _prefix_keys(req.hash_ids)
-        best, best_len = least, 0
-        for r in replicas:
-            n = _match_len(keys, self._seen[r.index])
-            if n > best_len or (n == best_len and n > 0 and r.load < best.load):
-                best, best_len = r, n
-        if best.load > 1.5 * least.load + BALANCE_SLACK_TOKENS:
-            best = least
-        self._seen[best.index].update(keys)
-        return best
-
-
-BALANCE_SLACK_TOKENS = 4096
-
-
-def _prefix_keys(hash_ids: tuple[int, ...]) -> list[int]:
-    """One key per prefix ``hash_ids[:i + 1]``, chained so equal keys mean equal prefixes."""
-    keys, h = [], 0
-    for x in hash_ids:
-        h = hash((h, x))
-        keys.append(h)
-    return keys
-
-
-def _match_len(keys: list[int], seen: set[int]) -> int:
-    n = 0
-    for k in keys:
-        if k not in seen:
-            break
-        n += 1
-    return n
+        if self.policy == "least_loaded":
+            return min(replicas, key=lambda r: (r.load, r.index))
+        loads = {r.index: r.scheduler.get_num_unfinished_requests() for r in replicas}
+        return replicas[self.affinity.choose(chained_keys(req.hash_ids), loads)]
 
 
 def simulate(
@@ -107,6 +94,8 @@ def simulate(
     router: str = "round_robin",
     check: bool = False,
     max_steps: int | None = None,
+    imbalanced_threshold: float = DEFAULT_IMBALANCED_THRESHOLD,
+    match_rate_threshold: float = DEFAULT_MATCH_RATE_THRESHOLD,
 ) -> SimResult:
     """Run the workload to completion and return what happened.
 
@@ -115,6 +104,7 @@ def simulate(
         config, num_kv_blocks: each replica's engine configuration and KV pool (blocks, null included).
         step_model: step durations.
         num_replicas, router: scale-out by simulation.
+        imbalanced_threshold, match_rate_threshold: the ``prefix_affinity`` router's knobs.
         check: ``check_integrity()`` after every step (tests).
         max_steps: stop after this many steps in total (None: run to completion).
 
@@ -125,7 +115,7 @@ def simulate(
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     replicas = [Replica(config, num_kv_blocks, step_model, i, check) for i in range(num_replicas)]
-    route = Router(router, num_replicas)
+    route = Router(router, num_replicas, imbalanced_threshold, match_rate_threshold)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     records: list[RequestRecord | None] = [None] * len(requests)
     steps: list[StepRecord] = []

@@ -16,6 +16,7 @@ from segserve.config import EngineConfig
 from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from segserve.sampling_params import SamplingParams
 from segserve.worker.cpu_step import CpuStep
+from segserve.worker.logits_processors import LogitsRow, apply_logits_processors
 from segserve.worker.sampler import compute_logprobs, sample
 
 
@@ -152,13 +153,19 @@ class ModelRunner:
             logits = self.cpu_step.compute_logits(hidden[[ends[i] - 1 for i in due]])  # (N, V) float32
             rids = [order[i] for i in due]
             states = [self.requests[rid] for rid in rids]
+            # Logprobs are those of the model's raw logits, before any processing (vLLM's default
+            # logprobs mode "raw_logprobs").
+            wants_logprobs = any(s.sampling_params.logprobs is not None for s in states)
+            raw = logits.clone() if wants_logprobs else None
             self._mask_stop_tokens(logits, states)
+            self._process_logits(logits, states)
             out = sample(
                 logits,
                 [s.sampling_params for s in states],
                 [s.sampling_params.seed for s in states],
                 [s.num_output_tokens for s in states],
                 self.generator,
+                logprob_logits=raw,
             )
             for row, (rid, token) in enumerate(zip(rids, out.token_ids, strict=False)):
                 sampled[rid] = [token]
@@ -180,9 +187,23 @@ class ModelRunner:
             if banned:
                 logits[row, banned] = float("-inf")
 
+    @staticmethod
+    def _process_logits(logits: torch.Tensor, states: list[RunnerRequest]) -> None:
+        """Penalties, logit bias and token filters of the rows that asked (one batched pass)."""
+        rows = [i for i, s in enumerate(states) if s.sampling_params.needs_logits_processing]
+        inputs = [
+            LogitsRow(
+                states[i].sampling_params,
+                states[i].token_ids[: states[i].num_prompt_tokens],
+                states[i].token_ids[states[i].num_prompt_tokens :],
+            )
+            for i in rows
+        ]
+        apply_logits_processors(logits, rows, inputs)
+
     def _prompt_logprobs(
         self, hidden: torch.Tensor, order: list[str], so: SchedulerOutput, metadata: AttentionMetadata
-    ) -> dict[str, list[list[tuple[int, float]]]]:
+    ) -> dict[str, list[list[tuple[int, float, int]]]]:
         """Logprobs of each next prompt token for the prompt positions computed this step.
 
         Position ``j``'s logits score prompt token ``j + 1``; the last prompt position scores the

@@ -27,13 +27,13 @@ class SamplerOutput:
 
     Attributes:
         token_ids: the sampled token id of each row, length N.
-        logprobs: per row, the sampled token's ``(id, logprob)`` first, then the top
-            ``params.logprobs`` ``(id, logprob)`` pairs by descending logprob (natural log of the raw
+        logprobs: per row, the sampled token's ``(id, logprob, rank)`` first, then the top
+            ``params.logprobs`` ones by descending logprob (natural log of the raw
             softmax of the logits); an empty list for a row that did not ask; ``None`` when no row asked.
     """
 
     token_ids: list[int]
-    logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: list[list[tuple[int, float, int]]] | None = None
 
 
 def mix_seed(seed: int, output_index: int) -> int:
@@ -54,6 +54,7 @@ def sample(
     seeds: list[int | None],
     output_indices: list[int],
     generator: torch.Generator | None = None,
+    logprob_logits: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Pick one token per row.
 
@@ -63,6 +64,8 @@ def sample(
         seeds: N per-request seeds; ``None`` rows draw from ``generator``.
         output_indices: N counts of tokens the row's completion has generated so far.
         generator: engine-wide generator for unseeded rows; ``None`` means torch's default.
+        logprob_logits: (N, V) logits the returned logprobs come from (the model's raw logits when
+            ``logits`` were processed); ``None`` means ``logits``.
 
     Returns:
         SamplerOutput with N token ids and, if any row asked, logprobs.
@@ -76,12 +79,13 @@ def sample(
         token_ids = logits.argmax(dim=-1).tolist()  # (N,) -- no softmax, no sort
     else:
         token_ids = _sample_mixed(logits, params, seeds, output_indices, generator)
-    return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(logits, params, token_ids, n))
+    source = logits if logprob_logits is None else logprob_logits.float()
+    return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(source, params, token_ids, n))
 
 
 def compute_logprobs(
     logits: torch.Tensor, token_ids: list[int], top_k: int
-) -> list[list[tuple[int, float]]]:
+) -> list[list[tuple[int, float, int]]]:
     """Logprobs of given tokens plus each row's top-k, from the raw log-softmax of the logits.
 
     Also used for prompt logprobs: pass the logits of prompt positions and the actual next tokens.
@@ -92,7 +96,8 @@ def compute_logprobs(
         top_k: how many top (id, logprob) pairs to add per row, >= 0.
 
     Returns:
-        N lists: ``(token_ids[i], logprob)`` first, then ``top_k`` pairs by descending logprob.
+        N lists of ``(token id, logprob, rank)``: ``token_ids[i]`` first, then the ``top_k`` most likely
+        by descending logprob (ranks 1..top_k). A rank counts the tokens at least as likely (vLLM's).
 
     Raises:
         ValueError: when ``len(token_ids)`` differs from N or ``top_k`` is negative.
@@ -103,11 +108,16 @@ def compute_logprobs(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
     ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)  # (N, 1)
-    chosen = logp.gather(1, ids).squeeze(1).tolist()  # (N,)
+    chosen_t = logp.gather(1, ids)  # (N, 1)
+    # vLLM's rank: how many tokens are at least as likely as the chosen one (1 = the most likely)
+    ranks = (logp >= chosen_t).sum(dim=-1).tolist()  # (N,)
+    chosen = chosen_t.squeeze(1).tolist()  # (N,)
     top_vals, top_ids = logp.topk(min(top_k, logp.shape[1]), dim=-1)  # (N, k), descending
-    rows: list[list[tuple[int, float]]] = []
-    for tok, lp, t_ids, t_vals in zip(token_ids, chosen, top_ids.tolist(), top_vals.tolist(), strict=True):
-        rows.append([(tok, lp), *zip(t_ids, t_vals, strict=True)])
+    rows: list[list[tuple[int, float, int]]] = []
+    for tok, lp, rank, t_ids, t_vals in zip(token_ids, chosen, ranks, top_ids.tolist(), top_vals.tolist(),
+                                            strict=True):
+        rows.append([(tok, lp, rank), *((t, v, r + 1) for r, (t, v) in enumerate(zip(t_ids, t_vals,
+                                                                                        strict=True)))])
     return rows
 
 
@@ -239,13 +249,13 @@ def _exponential_noise(
 
 def _row_logprobs(
     logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int], n: int
-) -> list[list[tuple[int, float]]] | None:
+) -> list[list[tuple[int, float, int]]] | None:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
     top_k = max(params[i].logprobs or 0 for i in rows)
     computed = compute_logprobs(logits[rows], [token_ids[i] for i in rows], top_k)
-    out: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    out: list[list[tuple[int, float, int]]] = [[] for _ in range(n)]
     for i, row in zip(rows, computed, strict=True):
         out[i] = row[: 1 + (params[i].logprobs or 0)]
     return out

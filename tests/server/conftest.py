@@ -13,14 +13,21 @@ TINY_ENGINE = dict(block_size=8, num_kv_blocks=16 * 16 + 1, max_num_batched_toke
 
 
 @pytest.fixture(scope="session")
-def tiny_loaded(tmp_path_factory):
-    """A ``LoadedModel`` of a tiny random Llama with a trained BPE tokenizer and a chat template."""
-    from segserve.models.loader import load_model
+def tiny_model_dir(tmp_path_factory):
+    """A Hugging Face directory of a tiny random Llama with a trained BPE tokenizer and a chat template."""
     from tests.model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_llama")
     save_tiny_hf_dir(path, tiny_hf_model(), train_tiny_tokenizer())
-    return load_model(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """A ``LoadedModel`` of the tiny model (float32)."""
+    from segserve.models.loader import load_model
+
+    return load_model(str(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")

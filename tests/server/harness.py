@@ -30,6 +30,7 @@ class ServerHandle:
 
     base_url: str
     engine: Any  # AsyncLLMEngine
+    app: Any = None  # the FastAPI app (``app.state.serving``: its OpenAIServing)
 
     def on_engine(self, fn, timeout_s: float = 30.0):
         """Run ``fn()`` on the engine thread (the only thread allowed to touch the engine)."""
@@ -71,13 +72,17 @@ class Throttle:
 
 
 @contextmanager
-def running_server(llm_engine, max_waiting_requests: int = 256) -> Iterator[tuple[ServerHandle, Throttle]]:
-    """Start the app in a uvicorn thread on 127.0.0.1 and a free port; stop everything on exit."""
+def running_server(llm_engine, max_waiting_requests: int = 256,
+                   **server_kw: Any) -> Iterator[tuple[ServerHandle, Throttle]]:
+    """Start the app in a uvicorn thread on 127.0.0.1 and a free port; stop everything on exit.
+    ``server_kw`` go to ``make_server`` (``api_key``, ``max_request_body_bytes``,
+    ``cache_salt_by_api_key``)."""
     import uvicorn
 
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
 
-    app, engine = make_server(llm_engine, [SERVED_NAME], max_waiting_requests, log_interval_s=5.0)
+    app, engine = make_server(llm_engine, [SERVED_NAME], max_waiting_requests, log_interval_s=5.0,
+                              **server_kw)
     throttle = Throttle()
     engine.observers.append(throttle)
     sock = bind_socket("127.0.0.1", 0)
@@ -90,7 +95,7 @@ def running_server(llm_engine, max_waiting_requests: int = 256) -> Iterator[tupl
     assert server.started, "server did not start within 30 s"
     host, port = sock.getsockname()[:2]
     try:
-        yield ServerHandle(f"http://{host}:{port}", engine), throttle
+        yield ServerHandle(f"http://{host}:{port}", engine, app), throttle
     finally:
         server.should_exit = True
         thread.join(15)
@@ -115,7 +120,7 @@ def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 def metric(samples: dict, name: str, **labels: str) -> float:
     """One sample's value (0 when absent, as a counter that never moved)."""
-    key = (name, tuple(sorted({"model_name": SERVED_NAME, **labels}.items())))
+    key = (name, tuple(sorted({"model_name": SERVED_NAME, "engine": "0", **labels}.items())))
     return samples.get(key, 0.0)
 
 
@@ -151,7 +156,9 @@ class LoadResult:
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
                stream: bool) -> LoadResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": stream}
+    if stream:  # stream_options without stream is a 400 (as in vLLM)
+        body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
     if not stream:
         r = await client.post("/v1/completions", json=body)

@@ -116,5 +116,20 @@ def test_load_200_requests_concurrency_16_and_metrics_match(tiny_server):
         assert delta(f"vllm:{hist}_seconds_count") == 200
     # One inter-token gap per token after the first.
     assert delta("vllm:inter_token_latency_seconds_count") == sum(r.completion_tokens - 1 for r in results)
+    # Per finished request: token counts and phase times (vLLM's names, labels model_name + engine).
+    prompt, completion = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
+    assert delta("vllm:request_prompt_tokens_count") == 200
+    assert delta("vllm:request_prompt_tokens_sum") == prompt
+    assert delta("vllm:request_generation_tokens_sum") == completion
+    for phase in ("prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 200
+    # Every step's prompt tokens computed (cache hits are not) plus its generated tokens.
+    cached = sum(r.cached_tokens for r in results)
+    assert delta("vllm:iteration_tokens_total_sum") == prompt - cached + completion
+    edges = sorted(float(dict(k[1])["le"]) for k in after if k[0] == "vllm:request_prompt_tokens_bucket")
+    assert edges == [1, 2, 5, 10, 20, 50, 100, float("inf")]  # vLLM's 1-2-5 buckets to max_model_len 128
+    phase_edges = sorted(float(dict(k[1])["le"]) for k in after
+                         if k[0] == "vllm:request_prefill_time_seconds_bucket")
+    assert phase_edges[:3] == [0.3, 0.5, 0.8] and phase_edges[-2:] == [7680.0, float("inf")]
     assert metric(after, "vllm:num_requests_running") == metric(after, "vllm:num_requests_waiting") == 0
     assert metric(after, "vllm:kv_cache_usage_perc") == 0

@@ -82,9 +82,11 @@ def test_prefix_affinity_does_not_pin_a_hot_system_prompt():
     first = [TraceRequest(0.0, 1500, 10, (0, 1000 + k, 2000 + k)) for k in range(4)]
     follow = [TraceRequest(30.0, 2000, 10, (0, 1000 + k, 2000 + k, 3000 + k)) for k in range(4)]
     cfg = config(budget=512, block_size=16, num_blocks=2000, max_model_len=8192)
-    res = simulate(first + follow, cfg, 2000, ONE_SECOND_STEPS, num_replicas=2, router="prefix_affinity")
+    res = simulate(first + follow, cfg, 2000, ONE_SECOND_STEPS, num_replicas=2, router="prefix_affinity",
+                   imbalanced_threshold=2)
     replicas = [r.replica for r in res.requests]
-    # Replica 0 takes the shared block until its load (1,510 tokens each) passes 4,096 + 1.5 x 0.
+    # Replica 0 takes the shared block (1 of 3 blocks matched: above the 0.1 match rate) until it
+    # holds 3 requests, more than 2 above replica 1's 0.
     assert replicas[:4] == [0, 0, 0, 1]
     assert replicas[4:] == replicas[:4]
     # The first prompt's 1,500 tokens are shared; whole 16-token blocks of them: 1,488.

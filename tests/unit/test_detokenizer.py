@@ -156,3 +156,27 @@ def test_work_per_token_is_bounded(tokenizer: PreTrainedTokenizerFast) -> None:
     assert len(ids) > 400
     assert len(counting.window_sizes) == 2 * len(ids)
     assert max(counting.window_sizes) <= 12  # an emoji is at most 4 byte tokens, plus context
+
+
+class _SpacingTokenizer:
+    """A tokenizer whose decoder puts a space between every two tokens (as WordPiece-style decoders
+    do), with one added special token, id 9 = ``<sep>``."""
+
+    added_tokens_decoder = {9: type("Added", (), {"content": "<sep>"})()}
+    vocab = {1: "a", 2: "b", 9: "<sep>"}
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return " ".join(self.vocab[i] for i in ids if not (skip_special_tokens and i == 9))
+
+
+def test_spaces_between_special_tokens_false_writes_them_unspaced() -> None:
+    ids = [1, 9, 9, 2]
+    spaced = IncrementalDetokenizer(_SpacingTokenizer(), [1], skip_special_tokens=False)
+    tight = IncrementalDetokenizer(_SpacingTokenizer(), [1], skip_special_tokens=False,
+                                   spaces_between_special_tokens=False)
+    spaced.update(ids)
+    tight.update(ids)
+    spaced.flush()
+    tight.flush()
+    assert spaced.text == " a <sep> <sep> b"
+    assert tight.text == " a<sep><sep>b"  # no space around added tokens (HF slow tokenizers' rule)

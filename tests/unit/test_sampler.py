@@ -181,14 +181,17 @@ def test_logprobs_match_log_softmax_in_top_k_order() -> None:
     assert out.logprobs[1] == []
     assert len(out.logprobs[0]) == 6 and len(out.logprobs[2]) == 1
     for row in (0, 2):
-        tok, lp = out.logprobs[row][0]
+        tok, lp, _ = out.logprobs[row][0]
         assert tok == out.token_ids[row]
         assert abs(lp - ref[row, tok].item()) <= 1e-6
     top = out.logprobs[0][1:]
     ref_vals, ref_ids = ref[0].topk(5)
-    assert [t for t, _ in top] == ref_ids.tolist()
-    assert all(abs(v - r) <= 1e-6 for (_, v), r in zip(top, ref_vals.tolist(), strict=True))
-    assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    assert [t for t, _, _ in top] == ref_ids.tolist()
+    assert all(abs(v - r) <= 1e-6 for (_, v, _), r in zip(top, ref_vals.tolist(), strict=True))
+    assert [v for _, v, _ in top] == sorted((v for _, v, _ in top), reverse=True)
+    assert [r for _, _, r in top] == [1, 2, 3, 4, 5]
+    tok = out.logprobs[0][0][0]
+    assert out.logprobs[0][0][2] == int((ref[0] >= ref[0, tok]).sum())
 
 
 def test_greedy_with_logprobs() -> None:
@@ -212,8 +215,9 @@ def test_compute_logprobs_for_prompt_tokens() -> None:
     for i, row in enumerate(rows):
         assert row[0][0] == targets[i]
         assert abs(row[0][1] - ref[i, targets[i]].item()) <= 1e-6
-        assert [t for t, _ in row[1:]] == ref[i].topk(2).indices.tolist()
-    assert compute_logprobs(logits, targets, top_k=0)[1] == [(999, rows[1][0][1])]
+        assert [t for t, _, _ in row[1:]] == ref[i].topk(2).indices.tolist()
+        assert row[0][2] == int((ref[i] >= ref[i, targets[i]]).sum())
+    assert compute_logprobs(logits, targets, top_k=0)[1] == [(999, rows[1][0][1], rows[1][0][2])]
 
 
 def test_mismatched_batch_raises() -> None:

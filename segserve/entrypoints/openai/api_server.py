@@ -1,8 +1,12 @@
 """The FastAPI app of the OpenAI-compatible server and the glue that starts it.
 
-Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``. Every error, including a malformed body and an unknown route, is
-answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+Routes: ``GET /health``, ``GET /metrics``, ``GET /version``, ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``.
+With an API key, every ``/v1/*`` route wants ``Authorization: Bearer KEY`` (401 otherwise).
+Every error, including a malformed body and an unknown route, is answered in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``; client input never causes a 500, and an
+unexpected internal error is a 500 with a generic message and an id that the log repeats next to the
+traceback. ``/openapi.json`` documents the status codes actually sent (``openapi.py``).
 """
 
 from __future__ import annotations
@@ -18,22 +22,38 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from segserve.engine.async_engine import AsyncLLMEngine
+from segserve.entrypoints.openai import openapi
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai import tokenize as tk
+from segserve.entrypoints.openai.errors import ApiError, internal_error
+from segserve.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, quote
 from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
-from segserve.entrypoints.openai.serving import ApiError, OpenAIServing
+from segserve.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("segserve")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) of pydantic's first complaint about a body."""
-    err = exc.errors()[0]
+    """(message, param) of pydantic's complaint about the first bad field of a body. A field of
+    several accepted types (``prompt``) gets one complaint per type; the one that got furthest into
+    the value says best what is wrong (``prompt: [[false]]`` -> ``prompt.0.0`` is not an integer)."""
+    errors = exc.errors()
+    err = errors[0]
     if err.get("type") == "json_invalid":
         return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(err.get("loc", ()))[:2]]
+    err = max(same_field, key=lambda e: len(e.get("loc", ())))
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
-    return f"{where}: {err.get('msg')} (got {err.get('input')!r})", param
+    return f"{where}: {err.get('msg')} (got {quote(err.get('input'))})", param
+
+
+def _is_union_tag(part: object) -> bool:
+    """True for the member names pydantic puts in an error's location (``str``, ``list[int]``,
+    ``TextPart``), which are no part of the client's field path."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part
+                                      or part in {"str", "int", "float", "bool", "list", "dict"})
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -49,45 +69,93 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), type=kind).response()
+        # exc.headers carries Allow on a 405.
+        return ApiError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return ApiError(500, f"internal error: {exc!r}", type="server_error").response()
+        return internal_error(exc).response()
 
 
-def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics) -> FastAPI:
-    """The app over a started ``engine``; ``metrics`` must be one of the engine's observers."""
+def _install_api_key(app: FastAPI, api_key: str) -> None:
+    """Bearer-token check on ``/v1/*`` (vLLM's ``--api-key``), answered in OpenAI's error shape."""
+    import hmac
+
+    expected = f"Bearer {api_key}"
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1") and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return ApiError(401, "Incorrect API key provided (send Authorization: Bearer <key>)",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cache_salt_by_api_key: bool = False,
+              api_key: str | None = None) -> FastAPI:
+    """The app over a started ``engine``; ``metrics`` must be one of the engine's observers.
+
+    Args:
+        max_request_body_bytes: larger request bodies get 413 before they are parsed.
+        cache_salt_by_api_key: salt every request's prefix cache by its API key (``serving.tenant_salt``).
+        api_key: required as a Bearer token on ``/v1/*`` when set.
+
+    Raises:
+        ValueError: ``max_request_body_bytes`` < 1.
+    """
     app = FastAPI(title="segserve OpenAI-compatible server")
-    serving = OpenAIServing(engine, served_model_names)
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
+    serving = OpenAIServing(engine, served_model_names, salt_by_api_key=cache_salt_by_api_key)
     app.state.serving = serving
     _install_error_handlers(app)
+    if api_key:
+        _install_api_key(app, api_key)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=openapi.HEALTH)
     async def health() -> Response:
         if engine.is_running:
             return Response(status_code=200)
-        return ApiError(503, f"engine loop is not running: {engine.dead!r}", type="server_error").response()
+        return ApiError(503, "the engine loop is not running (see the server log)", type="server_error",
+                        code="engine_dead").response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=openapi.METRICS)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/version", responses=openapi.VERSION)
+    async def version() -> dict:
+        from segserve import __version__
+
+        return {"version": __version__}
+
+    @app.get("/v1/models", response_model=p.ModelList, responses=openapi.MODELS)
     async def models() -> p.ModelList:
         root = engine.engine.loaded.name
-        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=serving.max_model_len)
+        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=serving.max_model_len,
+                                             permission=[p.model_permission()])
                                  for name in served_model_names])
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/tokenize", responses=openapi.tokenizer_route(tk.TokenizeResponse))
+    async def tokenize(body: tk.TokenizeRequest) -> tk.TokenizeResponse:
+        return await tk.tokenize(serving, body)
+
+    @app.post("/detokenize", responses=openapi.tokenizer_route(tk.DetokenizeResponse))
+    async def detokenize(body: tk.DetokenizeRequest) -> tk.DetokenizeResponse:
+        return await tk.detokenize(serving, body)
+
+    @app.post("/v1/completions", response_model=None, responses=openapi.generation(p.CompletionResponse))
     async def completions(body: p.CompletionRequest, raw: Request) -> Any:
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=openapi.generation(p.ChatCompletionResponse, p.ChatCompletionChunk))
     async def chat(body: p.ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(body, raw)
 
+    openapi.install(app)
     return app
 
 
@@ -97,6 +165,9 @@ def make_server(
     max_waiting_requests: int = 256,
     log_interval_s: float = 10.0,
     budget_source: str = "given",
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    cache_salt_by_api_key: bool = False,
+    api_key: str | None = None,
 ) -> tuple[FastAPI, AsyncLLMEngine]:
     """Wrap an ``LLMEngine`` in a started ``AsyncLLMEngine`` (metrics + log line) and build the app.
 
@@ -107,13 +178,15 @@ def make_server(
         log_interval_s: period of the stats log line, seconds.
         budget_source: ``"auto"`` when the step budget was sized from the step profile (the label of
             ``segserve:max_num_batched_tokens``), else ``"given"``.
+        max_request_body_bytes, cache_salt_by_api_key: as ``build_app``.
+        api_key: Bearer token required on ``/v1/*`` (None: open).
     """
     names = served_model_names or [llm_engine.loaded.name]
-    metrics = EngineMetrics(names[0])
+    metrics = EngineMetrics(names[0], max_model_len=llm_engine.max_model_len)
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
     engine.start()
-    return build_app(engine, names, metrics), engine
+    return build_app(engine, names, metrics, max_request_body_bytes, cache_salt_by_api_key, api_key), engine
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

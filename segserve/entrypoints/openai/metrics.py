@@ -6,8 +6,14 @@ written for vLLM read them unchanged: ``vllm:num_requests_running``/``waiting``,
 ``vllm:num_preemptions``, ``vllm:prompt_tokens``/``vllm:generation_tokens``,
 ``vllm:request_success`` (by ``finished_reason``) and the histograms
 ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
-``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``. Counters carry the
-``_total`` suffix in the exposition, as ``prometheus_client`` writes them.
+``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``; per finished request
+``vllm:request_prompt_tokens`` / ``vllm:request_generation_tokens`` (1-2-5 buckets up to
+``max_model_len``) and ``vllm:request_prefill_time_seconds`` (first scheduled to first token),
+``vllm:request_decode_time_seconds`` (first to last token), ``vllm:request_inference_time_seconds``
+(first scheduled to last token), with vLLM 0.32's request-latency buckets; per step
+``vllm:iteration_tokens_total`` (prompt tokens computed plus tokens generated). Every metric carries
+vLLM v1's labels ``model_name`` and ``engine`` (``"0"``: one engine). Counters carry the ``_total``
+suffix in the exposition, as ``prometheus_client`` writes them.
 
 segserve's own, under ``segserve:``: ``segserve:max_num_batched_tokens`` (the step budget, label
 ``source`` = ``auto`` or ``given``) beside vLLM's ``vllm:cache_config_info`` (an info gauge of 1 whose
@@ -35,6 +41,23 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
                    10.0, 20.0, 40.0, 80.0, 160.0)
 # Predicted / actual step time: 1 is a perfect prediction; 0.8-1.25 is within the 20 % warning line.
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+# vLLM 0.32's edges for the per-request phase times (seconds) and the per-step token counts.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ENGINE_INDEX = "0"
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``max_value`` inclusive."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
 
 
 class EngineMetrics:
@@ -44,12 +67,15 @@ class EngineMetrics:
         model_name: value of the ``model_name`` label (the served model name).
         registry: where to register; a fresh ``CollectorRegistry`` by default, so several servers in
             one process (tests) do not collide.
+        max_model_len: top of the per-request token-count buckets, tokens.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 max_model_len: int = 2**20) -> None:
         self.registry = registry or CollectorRegistry()
-        self.labels = {"model_name": model_name}
-        r, names = self.registry, ["model_name"]
+        self.labels = {"model_name": model_name, "engine": ENGINE_INDEX}
+        r, names = self.registry, ["model_name", "engine"]
+        self.names = names
         self.running = Gauge("vllm:num_requests_running", "Requests running", names, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%)", names, registry=r)
@@ -67,6 +93,20 @@ class EngineMetrics:
         self.itl = self._hist("vllm:inter_token_latency_seconds", "Time between output tokens")
         self.e2e = self._hist("vllm:e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = self._hist("vllm:request_queue_time_seconds", "Arrival to first scheduled")
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt = self._hist("vllm:request_prompt_tokens", "Prompt tokens per finished request",
+                                         tokens)
+        self.request_generation = self._hist("vllm:request_generation_tokens", "Generated tokens per "
+                                             "finished request", tokens)
+        self.prefill_time = self._hist("vllm:request_prefill_time_seconds", "First scheduled to first token",
+                                       REQUEST_LATENCY_BUCKETS)
+        self.decode_time = self._hist("vllm:request_decode_time_seconds", "First to last token",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.inference_time = self._hist("vllm:request_inference_time_seconds", "First scheduled to last "
+                                         "token", REQUEST_LATENCY_BUCKETS)
+        self.iteration_tokens = self._hist("vllm:iteration_tokens_total", "Prompt plus generated tokens per "
+                                           "engine step", ITERATION_TOKEN_BUCKETS)
+        self._last_prompt_computed = 0
         self.budget = Gauge("segserve:max_num_batched_tokens", "Per-step token budget (source: auto or "
                             "given)", names + ["source"], registry=r)
         cache_labels = ["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"]
@@ -83,8 +123,8 @@ class EngineMetrics:
         # Request id -> time of its latest token (completion 0), for inter-token latency.
         self._last_token: dict[str, float] = {}
 
-    def _hist(self, name: str, doc: str) -> Histogram:
-        return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
+    def _hist(self, name: str, doc: str, buckets: tuple = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, doc, self.names, buckets=buckets, registry=self.registry)
 
     def describe_engine(self, engine, budget_source: str = "given") -> None:
         """Export the engine's settings (once, at start-up): the step budget and the cache settings."""
@@ -106,6 +146,11 @@ class EngineMetrics:
         self.waiting.labels(**labels).set(stats.num_waiting)
         self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
         self._cache_and_preemption_deltas(stats)
+        computed = stats.num_prompt_tokens_computed
+        step_tokens = computed - self._last_prompt_computed + sum(info.new_tokens.values())
+        self._last_prompt_computed = computed
+        if step_tokens > 0:
+            self.iteration_tokens.labels(**labels).observe(step_tokens)
         for out in info.outputs:
             self._request_step(out, info.new_tokens.get(out.request_id, 0), info.now)
 
@@ -147,6 +192,19 @@ class EngineMetrics:
             self.success.labels(**labels, finished_reason=reason).inc()
             if m is not None and m.finished_time is not None:
                 self.e2e.labels(**labels).observe(m.finished_time - m.arrival_time)
+            self._finished_request(out)
+
+    def _finished_request(self, out: RequestOutput) -> None:
+        """Per-request token counts and phase times (vLLM's ``FinishedRequestStats``)."""
+        labels, m = self.labels, out.metrics
+        self.request_prompt.labels(**labels).observe(len(out.prompt_token_ids))
+        self.request_generation.labels(**labels).observe(sum(len(c.token_ids) for c in out.outputs))
+        if m is None or m.first_scheduled_time is None or m.first_token_time is None:
+            return
+        last = m.last_token_time if m.last_token_time is not None else m.first_token_time
+        self.prefill_time.labels(**labels).observe(m.first_token_time - m.first_scheduled_time)
+        self.decode_time.labels(**labels).observe(last - m.first_token_time)
+        self.inference_time.labels(**labels).observe(last - m.first_scheduled_time)
 
     def on_abort(self, request_id: str) -> None:
         """An aborted request sends no final output: count it and drop its state (engine thread)."""

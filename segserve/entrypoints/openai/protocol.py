@@ -2,27 +2,37 @@
 
 Field names and defaults follow OpenAI's API reference (``/v1/completions``: ``max_tokens`` 16;
 ``/v1/chat/completions``: no token limit; ``temperature`` and ``top_p`` 1) plus vLLM's extensions
-(``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``). Unknown fields are
-ignored, as vLLM does, so load generators that send extra keys keep working.
+(``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` and
+``fields.LogitsFields``). Unknown and unimplemented fields are kept in ``model_extra`` and refused with
+a 400 naming them (``fields.unhonoured_field``): a field that changes a request's meaning is never
+silently dropped. Request models follow the strict typing and null rules of ``strict.py``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from segserve.entrypoints.openai.fields import LogitsFields
+from segserve.entrypoints.openai.strict import StrictRequest, StrictSampling
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Lenient(StrictRequest):
+    # Kept, then refused by name in serving (fields.unhonoured_field).
+    model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(StrictRequest):
+    """vLLM 0.32's stream options: usage in a last chunk, or in every chunk (``continuous_usage_stats``)."""
+
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(_Lenient, StrictSampling, LogitsFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -33,23 +43,40 @@ class SamplingFields(_Lenient):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # accepted and harmless: tags for the caller's own bookkeeping
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    store: Literal[False] | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        return v
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM: only together with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: one prompt (text or token ids; a list holding one prompt is accepted)."""
+    """``POST /v1/completions``: a prompt (text or token ids) or a list of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -58,19 +85,33 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TextPart(_Lenient):
-    type: Literal["text"] = "text"
-    text: str
+class ContentPart(_Lenient):
+    """A content part; only ``{"type": "text", "text": ...}`` is implemented (serving refuses others)."""
+
+    type: str = "text"
+    text: str | None = None
 
 
 class ChatMessage(_Lenient):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
+
+    def unsupported_part(self) -> str | None:
+        """What is wrong with the first content part that is not plain text, or None."""
+        for part in self.content if isinstance(self.content, list) else ():
+            if part.type != "text":
+                return f"content part type {part.type!r} is not supported (only 'text')"
+            if part.text is None:
+                return "a 'text' content part needs a 'text' field"
+            if part.model_extra:
+                return f"content part field {sorted(part.model_extra)[0]!r} is not supported"
+        return None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -81,6 +122,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -111,10 +155,19 @@ def _now() -> int:
     return int(time.time())
 
 
+class CompletionLogProbs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -133,10 +186,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    content: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -158,7 +227,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -177,7 +246,19 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "segserve"
     root: str
+    parent: str | None = None
     max_model_len: int
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def model_permission() -> dict[str, Any]:
+    """vLLM's ``ModelPermission`` entry of a model card."""
+    import uuid
+
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": _now(),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,157 @@
+"""vLLM's routes and shapes (``/tokenize``, ``/detokenize``, ``/version``, ``/v1/models``), the API key,
+the input-length boundary, and vLLM's command-line and ``LLM(...)`` forms."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import httpx
+import pytest
+
+from tests.server.harness import SERVED_NAME, running_server
+
+
+def test_tokenize_detokenize_prompt_and_messages(tiny_server, tiny_offline):
+    handle, _ = tiny_server
+    tok = tiny_offline.get_tokenizer()
+    r = httpx.post(f"{handle.base_url}/tokenize", json={"model": SERVED_NAME, "prompt": "The lazy dog",
+                                                        "return_token_strs": True}).json()
+    ids = tok.encode("The lazy dog")
+    assert r == {"count": len(ids), "max_model_len": 128, "tokens": ids,
+                 "token_strs": tok.convert_ids_to_tokens(ids)}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{handle.base_url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tiny_offline.apply_chat_template(messages) and chat["token_strs"] is None
+    back = httpx.post(f"{handle.base_url}/detokenize", json={"tokens": ids}).json()
+    assert back == {"prompt": "The lazy dog"}
+    bad = httpx.post(f"{handle.base_url}/detokenize", json={"tokens": [5, 300]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert "[0, 300)" in bad.json()["error"]["message"]
+    both = httpx.post(f"{handle.base_url}/tokenize", json={"prompt": "a", "messages": messages})
+    assert both.status_code == 400
+
+
+def test_version_and_model_card_fields(tiny_server):
+    handle, _ = tiny_server
+    from segserve import __version__
+
+    assert httpx.get(f"{handle.base_url}/version").json() == {"version": __version__}
+    card = httpx.get(f"{handle.base_url}/v1/models").json()["data"][0]
+    fields = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+    assert fields <= set(card)
+    assert card["id"] == SERVED_NAME and card["max_model_len"] == 128 and card["parent"] is None
+    assert card["permission"][0]["object"] == "model_permission"
+
+
+def test_prompt_must_leave_room_for_one_token(tiny_server, tiny_offline):
+    handle, _ = tiny_server
+    ids = (tiny_offline.get_tokenizer().encode("the quick brown fox " * 40))[:128]
+    assert len(ids) == 128
+    r = httpx.post(f"{handle.base_url}/v1/completions", json={"model": SERVED_NAME, "prompt": ids,
+                                                              "max_tokens": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "maximum context length is 128" in r.json()["error"]["message"]
+    ok = httpx.post(f"{handle.base_url}/v1/completions", json={"model": SERVED_NAME, "prompt": ids[:127],
+                                                               "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+    handle.assert_idle_and_clean()
+
+
+def test_api_key_guards_v1_with_openai_401(tiny_loaded):
+    from segserve import LLMEngine
+    from tests.server.conftest import TINY_ENGINE
+
+    with running_server(LLMEngine(tiny_loaded, **TINY_ENGINE), api_key="sekret") as (handle, _):
+        body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 1}
+        url = f"{handle.base_url}/v1/completions"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = httpx.post(url, json=body, headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(f"{handle.base_url}/health").status_code == 200  # not under /v1
+        import openai
+
+        client = openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key="sekret", max_retries=0)
+        assert client.models.list().data[0].id == SERVED_NAME
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def _serve_args(argv: list[str]) -> argparse.Namespace:
+    from segserve.entrypoints.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv, "--max-num-batched-tokens", "256"])
+
+
+def test_serve_takes_the_model_positionally_and_vllm_flags():
+    from segserve.engine_args import EngineArgs
+    from segserve.entrypoints.serve import resolve_model_arg
+
+    args = _serve_args(["/models/x", "--dtype", "auto", "--api-key", "k",
+                        "--kv-cache-memory-bytes", "2Gi"])
+    resolve_model_arg(args)
+    assert args.model == "/models/x" and args.api_key == "k"
+    assert args.dtype == "float32"  # auto: no config.json there, so float32 (as for a GGUF file)
+    assert EngineArgs.from_cli_args(args).kv_cache_memory_bytes == 2 * 2**30
+    args = _serve_args(["--model", "/models/y", "--kv-cache-memory-bytes", "1500000000"])
+    resolve_model_arg(args)
+    assert args.model == "/models/y"
+    assert EngineArgs.from_cli_args(args).kv_cache_memory_bytes == 1_500_000_000
+    three = EngineArgs.from_cli_args(_serve_args(["--kv-cache-memory-bytes", "3G"]))
+    assert three.kv_cache_memory_bytes == 3 * 10**9
+    twice = _serve_args(["/models/a", "--model", "/models/b"])
+    with pytest.raises(ValueError, match="given twice"):
+        resolve_model_arg(twice)
+    with pytest.raises(SystemExit):
+        _serve_args(["--kv-cache-memory-bytes", "lots"])
+
+
+def test_dtype_auto_follows_the_checkpoint(tmp_path, tiny_loaded):
+    import torch
+
+    from segserve.engine.llm_engine import auto_dtype
+
+    for name, expected in (("bfloat16", torch.bfloat16), ("float16", torch.bfloat16),
+                           ("float32", torch.float32)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"torch_dtype": name}))
+        assert auto_dtype(str(d)) == expected
+    assert auto_dtype(str(tmp_path / "model.gguf")) == torch.float32
+    assert auto_dtype(tiny_loaded) == torch.float32
+
+
+def test_llm_accepts_vllm_cpu_no_ops_and_refuses_the_rest(tiny_loaded, caplog):
+    from segserve import LLM, SamplingParams
+    from tests.server.conftest import TINY_ENGINE
+
+    with caplog.at_level("INFO", logger="segserve"):
+        llm = LLM(tiny_loaded, **TINY_ENGINE, tensor_parallel_size=1, gpu_memory_utilization=0.9,
+                  enforce_eager=True, dtype="auto")
+    assert "gpu_memory_utilization=0.9): no effect on CPU" in caplog.text
+    out = llm.generate("The lazy dog", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+        LLM(tiny_loaded, tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="unsupported keyword 'quantization'"):
+        LLM(tiny_loaded, quantization="awq")
+
+
+def test_offline_logprobs_are_vllm_logprob_objects(tiny_offline):
+    from segserve import Logprob, SamplingParams
+
+    out = tiny_offline.generate("The lazy dog", SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                               prompt_logprobs=1), use_tqdm=False)[0]
+    tok = tiny_offline.get_tokenizer()
+    for t, pos in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True):
+        chosen = pos[t]
+        assert isinstance(chosen, Logprob) and chosen.rank == 1  # greedy: the most likely
+        assert chosen.decoded_token == tok.decode([t]) and chosen.logprob == float(chosen) < 0
+        ranked = sorted(pos.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2] and ranked[0].logprob >= ranked[1].logprob
+    prompt_pos = out.prompt_logprobs[1]
+    actual = out.prompt_token_ids[1]
+    assert prompt_pos[actual].rank >= 1 and prompt_pos[actual].decoded_token == tok.decode([actual])
