@@ -9,11 +9,11 @@ from segserve import openmp
 
 openmp.configure()
 
-from segserve.sampling_params import SamplingParams  # noqa: E402
+from segserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "__version__"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "__version__"]
 
 _LAZY = {
     "LLM": "segserve.engine.llm",

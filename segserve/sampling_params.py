@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from segserve.structured_output.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 MAX_N = 128
@@ -43,6 +45,8 @@ class SamplingParams:
         spaces_between_special_tokens: with special tokens kept in the text, ``True`` (vLLM's default)
             decodes as the tokenizer does; ``False`` writes added tokens as their exact content with no
             space around them (Hugging Face slow tokenizers' meaning of the flag).
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (``StructuredOutputsParams``); each of ``n`` completions follows it.
 
     Raises:
         ValueError: naming the field and its allowed range.
@@ -70,6 +74,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from ``bad_words`` with its tokenizer (vLLM's ``_bad_words_token_ids``).
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     stop_strings: tuple[str, ...] = field(init=False, default=())
@@ -122,6 +127,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
         self._check_logits_fields()
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
         if self.temperature < SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so drop them (as vLLM does).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0

@@ -105,6 +105,14 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError when it can never fit (the engine state is unchanged)."""
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """ValueError when ``add_request(request)`` would refuse it (id in use, too long for the model
+        or the KV pool); changes nothing. The engine checks a request this way before it waits for
+        something outside the scheduler (its grammar) and is added later."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens > self.sched.max_model_len:
@@ -124,8 +132,6 @@ class Scheduler:
                 f"cache holds at most {usable} ({self.kv_cache_manager.num_blocks - 1} blocks of "
                 f"{self.block_size}); lower max_tokens or max_model_len, or give the cache more memory"
             )
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, or a stop string found by the detokenizer); frees their blocks.

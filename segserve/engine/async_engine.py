@@ -226,7 +226,8 @@ class AsyncLLMEngine:
     ) -> None:
         if self._closing is not None:
             raise self._closing
-        waiting = len(self.engine.scheduler.waiting)
+        # Requests waiting for their grammar count as waiting: the bound holds for them too.
+        waiting = len(self.engine.scheduler.waiting) + self.engine.num_awaiting_grammar
         if waiting + params.n > self.max_waiting_requests:
             raise QueueFullError(
                 f"server busy: the waiting queue holds {waiting} requests and this one adds {params.n}, "

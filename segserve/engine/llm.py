@@ -154,10 +154,13 @@ def chat_prompt_ids(
     messages: ChatMessages,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS).
 
     ``template_kwargs`` are extra variables for the template (vLLM's ``chat_template_kwargs``).
+    ``tools``: OpenAI-shaped tool definitions, handed to the template (templates without tool
+    support ignore them).
     """
     tokenizer = engine.tokenizer
     template = engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
@@ -168,6 +171,7 @@ def chat_prompt_ids(
         chat_template=template,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
+        tools=tools,
         **(template_kwargs or {}),
     )
     return tokenizer.encode(text, add_special_tokens=False)

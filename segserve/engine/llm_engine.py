@@ -21,6 +21,7 @@ from segserve.config import num_kv_blocks_for
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import SchedulerOutput
+from segserve.engine.grammar_gate import GrammarGate
 from segserve.engine.output_processor import OutputProcessor, child_request_id
 from segserve.engine.step_monitor import StepErrorMonitor
 from segserve.engine_args import EngineArgs
@@ -143,6 +144,8 @@ class LLMEngine:
         # Set by the server (``segserve serve``): compares each step's time with the step profile's
         # prediction (``segserve.engine.step_monitor``); None costs nothing.
         self.step_monitor: StepErrorMonitor | None = None
+        # Structured output, made on the first constrained request (xgrammar's tokenizer tables).
+        self._grammar_gate: GrammarGate | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -210,7 +213,7 @@ class LLMEngine:
         text, prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
-        taken = [cid for cid in child_ids if cid != request_id and cid in self.scheduler.requests]
+        taken = [cid for cid in child_ids if cid != request_id and self._holds(cid)]
         if taken:
             raise ValueError(
                 f"request id {request_id!r} with n={params.n} needs the internal id {taken[0]!r} for "
@@ -221,6 +224,17 @@ class LLMEngine:
             Request(cid, prompt_ids, self._child_params(core_params, i), self.eos_token_id, arrival, salt)
             for i, cid in enumerate(child_ids)
         ]
+        if params.structured_outputs is not None:
+            for req in requests:
+                self.scheduler.check_request(req)
+            self.grammar_gate.hold(requests, params.structured_outputs)
+        else:
+            self._add_to_scheduler(requests)
+        state = self.output_processor.make_state(request_id, text, prompt_ids, params, arrival)
+        self.output_processor.add(state, child_ids)
+        return request_id
+
+    def _add_to_scheduler(self, requests: list[Request]) -> None:
         added = []
         try:
             for req in requests:
@@ -229,9 +243,18 @@ class LLMEngine:
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        state = self.output_processor.make_state(request_id, text, prompt_ids, params, arrival)
-        self.output_processor.add(state, child_ids)
-        return request_id
+
+    def _holds(self, child_id: str) -> bool:
+        gate = self._grammar_gate
+        return child_id in self.scheduler.requests or (gate is not None and child_id in gate)
+
+    @property
+    def grammar_gate(self) -> GrammarGate:
+        """Structured output's state (compiled grammars, waiting requests, matchers); made on first use."""
+        if self._grammar_gate is None:
+            vocab = self.loaded.config.vocab_size
+            self._grammar_gate = GrammarGate(self.tokenizer, vocab, list(self.loaded.eos_token_ids))
+        return self._grammar_gate
 
     def _check_token_fields(self, params: SamplingParams) -> SamplingParams:
         """Token ids of the parameters checked against the vocabulary; ``bad_words`` tokenized.
@@ -289,9 +312,17 @@ class LLMEngine:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             children = self.output_processor.abort(rid)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            if self._grammar_gate is not None:
+                self._grammar_gate.abort(children)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        gate = self._grammar_gate
+        return self.scheduler.has_unfinished_requests() or (gate is not None and bool(gate.awaiting))
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        """Requests (completions) waiting outside the scheduler for their grammar to compile."""
+        return 0 if self._grammar_gate is None else len(self._grammar_gate.awaiting)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)
@@ -301,6 +332,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and return the requests that progressed this step."""
         t0 = time.perf_counter()
+        gate = self._grammar_gate
+        failed = gate.admit_ready(self.scheduler) if gate is not None else []
         so = self.scheduler.schedule()
         for observe in self.schedule_observers:
             observe(so)
@@ -313,11 +346,14 @@ class LLMEngine:
             had_prompt_tokens = prior < self.scheduler.requests[rid].num_prompt_tokens
             self.output_processor.record_scheduled(rid, had_prompt_tokens, now)
         try:
-            runner_output = self.runner.execute_model(so)
+            grammar = gate.bitmask(so, self.scheduler) if gate is not None else None
+            runner_output = self.runner.execute_model(so, grammar)
         except Exception:
             self._fail_step(so)
             raise
         core_outputs = self.scheduler.update_from_output(so, runner_output)
+        if gate is not None:
+            core_outputs = failed + gate.after_step(runner_output, core_outputs, self.scheduler)
         outputs, stop_hits = self.output_processor.process(core_outputs)
         if stop_hits:
             self.scheduler.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)

@@ -37,6 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
     srv.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='allow tool_choice "auto": the model\'s tool calls are parsed with --tool-call-parser',
+    )
+    srv.add_argument(
+        "--tool-call-parser", choices=["hermes"], default=None,
+        help="how tool calls are read from the output under tool_choice auto "
+        "(hermes: <tool_call>{json}</tool_call>)",
+    )
+    srv.add_argument(
         "--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get HTTP 413 before they are read or parsed (default: 8 MiB)",
     )
@@ -83,6 +92,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace-period must be >= 0 seconds, got {args.shutdown_grace_period}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together (vLLM's rule)")
     use_ray = scale_out.wants_ray(args)
     if use_ray:
         scale_out.ScaleOut.from_cli_args(args).check_reachable()  # bad flags fail before any model work
@@ -107,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
         budget_source="auto" if auto else "given", max_request_body_bytes=args.max_request_body_bytes,
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         api_key=args.api_key or os.environ.get("SEGSERVE_API_KEY") or None,
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])

@@ -16,6 +16,7 @@ from segserve.config import EngineConfig
 from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from segserve.sampling_params import SamplingParams
 from segserve.worker.cpu_step import CpuStep
+from segserve.worker.grammar_mask import GrammarBitmask, apply_grammar_bitmask
 from segserve.worker.logits_processors import LogitsRow, apply_logits_processors
 from segserve.worker.sampler import compute_logprobs, sample
 
@@ -133,8 +134,11 @@ class ModelRunner:
         return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Returns sampled tokens for requests whose last scheduled token is their last."""
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run one step. Returns sampled tokens for requests whose last scheduled token is their last.
+
+        ``grammar``: the step's structured-output bitmask (rows of constrained requests), or None.
+        """
         order = self._update_states(so)
         if not order:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -159,6 +163,7 @@ class ModelRunner:
             raw = logits.clone() if wants_logprobs else None
             self._mask_stop_tokens(logits, states)
             self._process_logits(logits, states)
+            apply_grammar_bitmask(logits, rids, grammar)
             out = sample(
                 logits,
                 [s.sampling_params for s in states],

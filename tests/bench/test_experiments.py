@@ -125,3 +125,20 @@ def test_cost_budget_sim(tmp_path, capsys):
     rec = json.loads(out.read_text())
     assert [r["attention_cost_tokens"] for r in rec["runs"]] == [0, 1024]
     assert set(rec["ratios"]["1024"]) == {"step_max_over_median", "p99_ttft_ms", "p99_itl_ms"}
+
+
+def test_structured(tiny_model_dir, tmp_path, capsys):
+    rec = _run("structured", tiny_model_dir, tmp_path, capsys, "--concurrency", "4", "--max-tokens", "12",
+               "--rounds", "2", "--delay-repeats", "2", "--budget", "256")
+    res = rec["results"]
+    assert len(res["rounds"]) == 2 and all(len(r["counts"]) == 4 for r in res["rounds"])
+    # Greedy: both rounds generate the same tokens; each side of a round generated them all.
+    assert res["rounds"][0]["counts"] == res["rounds"][1]["counts"]
+    assert all(1 <= n <= 12 for n in res["rounds"][0]["counts"])
+    assert len(res["delays"]["cold_s"]) == len(res["delays"]["cached_s"]) == 2
+    rounds = res["rounds"]
+    for r in rounds:
+        assert r["constrained_tok_s"] == pytest.approx(r["tokens"] / r["constrained_s"])
+    median = lambda key: (rounds[0][key] + rounds[1][key]) / 2  # noqa: E731 - median of two
+    assert rec["ratios"]["constrained_over_unconstrained_tok_s"] == pytest.approx(
+        median("constrained_tok_s") / median("unconstrained_tok_s"))

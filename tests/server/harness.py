@@ -76,7 +76,7 @@ def running_server(llm_engine, max_waiting_requests: int = 256,
                    **server_kw: Any) -> Iterator[tuple[ServerHandle, Throttle]]:
     """Start the app in a uvicorn thread on 127.0.0.1 and a free port; stop everything on exit.
     ``server_kw`` go to ``make_server`` (``api_key``, ``max_request_body_bytes``,
-    ``cache_salt_by_api_key``)."""
+    ``cache_salt_by_api_key``, ``tool_parser``)."""
     import uvicorn
 
     from segserve.entrypoints.openai.api_server import bind_socket, make_server

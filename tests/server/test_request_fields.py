@@ -26,7 +26,8 @@ SAMPLES = {
     "stream": True, "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "temperature": 0.5, "top_p": 0.9, "user": "u1", "safety_identifier": "s", "prompt_cache_key": "k",
     "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "suffix": " end",
-    "response_format": {"type": "json_object"}, "tools": [TOOL], "tool_choice": "auto",
+    "response_format": {"type": "json_object"}, "tools": {"tools": [TOOL], "tool_choice": "none"},
+    "tool_choice": {"tools": [TOOL], "tool_choice": "required"},
     "parallel_tool_calls": True, "functions": [TOOL["function"]], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
@@ -45,7 +46,8 @@ SAMPLES = {
 PER_ENDPOINT = {("completions", "logprobs"): 2, ("chat", "logprobs"): True,
                 ("completions", "echo"): True, ("chat", "echo"): True,
                 ("chat", "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
-                ("completions", "top_logprobs"): 2}
+                ("completions", "top_logprobs"): 2,
+                ("completions", "tools"): [TOOL], ("completions", "tool_choice"): "auto"}
 
 
 def _rows() -> list[tuple[str, str, str]]:

@@ -14,3 +14,11 @@ def test_missing_document_is_a_clear_error_not_a_traceback(capsys):
 def test_generate_help_shows_defaults():
     text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     assert "(default: 96)" in text and "(default: 512)" in text
+
+
+def test_auto_tool_choice_flags_go_together(capsys):
+    assert main(["serve", "--enable-auto-tool-choice", "--max-num-batched-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--enable-auto-tool-choice and --tool-call-parser go together" in err
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")

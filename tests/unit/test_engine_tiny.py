@@ -129,7 +129,7 @@ def test_a_failing_step_aborts_its_requests_and_the_engine_keeps_serving(tiny, m
     engine.add_request("doomed", PROMPTS[0], GREEDY)
     real = engine.runner.execute_model
 
-    def boom(so):
+    def boom(so, grammar=None):
         raise RuntimeError("kernel failed")
 
     monkeypatch.setattr(engine.runner, "execute_model", boom)

@@ -95,20 +95,22 @@ def _install_api_key(app: FastAPI, api_key: str) -> None:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics,
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, cache_salt_by_api_key: bool = False,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, tool_parser: str | None = None) -> FastAPI:
     """The app over a started ``engine``; ``metrics`` must be one of the engine's observers.
 
     Args:
         max_request_body_bytes: larger request bodies get 413 before they are parsed.
         cache_salt_by_api_key: salt every request's prefix cache by its API key (``serving.tenant_salt``).
         api_key: required as a Bearer token on ``/v1/*`` when set.
+        tool_parser: the tool-call parser (e.g. ``"hermes"``) that enables ``tool_choice: "auto"``.
 
     Raises:
         ValueError: ``max_request_body_bytes`` < 1.
     """
     app = FastAPI(title="segserve OpenAI-compatible server")
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
-    serving = OpenAIServing(engine, served_model_names, salt_by_api_key=cache_salt_by_api_key)
+    serving = OpenAIServing(engine, served_model_names, salt_by_api_key=cache_salt_by_api_key,
+                            tool_parser=tool_parser)
     app.state.serving = serving
     _install_error_handlers(app)
     if api_key:
@@ -168,6 +170,7 @@ def make_server(
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     cache_salt_by_api_key: bool = False,
     api_key: str | None = None,
+    tool_parser: str | None = None,
 ) -> tuple[FastAPI, AsyncLLMEngine]:
     """Wrap an ``LLMEngine`` in a started ``AsyncLLMEngine`` (metrics + log line) and build the app.
 
@@ -180,13 +183,27 @@ def make_server(
             ``segserve:max_num_batched_tokens``), else ``"given"``.
         max_request_body_bytes, cache_salt_by_api_key: as ``build_app``.
         api_key: Bearer token required on ``/v1/*`` (None: open).
+        tool_parser: the tool-call parser of ``tool_choice: "auto"`` (``--enable-auto-tool-choice
+            --tool-call-parser hermes``); None refuses ``auto``.
+
+    Raises:
+        ValueError: an unknown ``tool_parser``.
     """
+    from segserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+
+    if tool_parser is not None and tool_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_parser must be one of {list(TOOL_CALL_PARSERS)}, got {tool_parser!r}")
     names = served_model_names or [llm_engine.loaded.name]
+    # xgrammar's tables of the vocabulary (~1 s for 49k tokens): built now, not on the engine thread
+    # when the first constrained request arrives (every stream would stall for it).
+    llm_engine.grammar_gate  # noqa: B018 - the property builds it
     metrics = EngineMetrics(names[0], max_model_len=llm_engine.max_model_len)
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
     engine.start()
-    return build_app(engine, names, metrics, max_request_body_bytes, cache_salt_by_api_key, api_key), engine
+    app = build_app(engine, names, metrics, max_request_body_bytes, cache_salt_by_api_key, api_key,
+                    tool_parser)
+    return app, engine
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

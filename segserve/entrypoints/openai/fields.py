@@ -38,12 +38,10 @@ class LogitsFields(BaseModel):
 
 # field -> why it is refused (shown in the 400).
 REFUSED_COMMON = {
-    "guided_json": "structured output is not implemented",
-    "guided_regex": "structured output is not implemented",
-    "guided_choice": "structured output is not implemented",
-    "guided_grammar": "structured output is not implemented",
-    "structured_outputs": "structured output is not implemented",
-    "response_format": "structured output is not implemented",
+    "guided_json": "vLLM 0.32 has no guided_* fields: use structured_outputs or response_format",
+    "guided_regex": "vLLM 0.32 has no guided_* fields: use structured_outputs",
+    "guided_choice": "vLLM 0.32 has no guided_* fields: use structured_outputs",
+    "guided_grammar": "vLLM 0.32 has no guided_* fields: use structured_outputs",
     "prompt_logprobs": "use echo with logprobs for prompt logprobs",
     "truncate_prompt_tokens": "prompts are never truncated; send a shorter one",
     "use_beam_search": "beam search is not implemented",
@@ -58,10 +56,7 @@ REFUSED_COMPLETION = {
     "prompt_embeds": "prompt embeddings are not implemented",
 }
 REFUSED_CHAT = {
-    "tools": "tool calling is not implemented",
-    "tool_choice": "tool calling is not implemented",
-    "parallel_tool_calls": "tool calling is not implemented",
-    "functions": "function calling is not implemented",
+    "functions": "deprecated by OpenAI: use tools",
     "function_call": "function calling is not implemented",
     "audio": "audio output is not implemented",
     "modalities": "only text output is implemented",
@@ -78,9 +73,7 @@ REFUSED_CHAT = {
 
 # Fields of a chat message that segserve does not implement.
 REFUSED_MESSAGE = {
-    "tool_calls": "tool calling is not implemented",
-    "tool_call_id": "tool calling is not implemented",
-    "function_call": "function calling is not implemented",
+    "function_call": "deprecated by OpenAI: use tool_calls",
     "audio": "audio is not implemented",
     "refusal": "not implemented",
     "reasoning_content": "the model is not a reasoning model",

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from segserve.entrypoints.openai.fields import LogitsFields
 from segserve.entrypoints.openai.strict import StrictRequest, StrictSampling
+from segserve.entrypoints.openai.structured import ResponseFormat, StructuredOutputsField
+from segserve.entrypoints.openai.tool_calls import ChatTool, DeltaToolCall, ToolCall, ToolChoice
 
 
 class _Lenient(StrictRequest):
@@ -56,6 +58,9 @@ class SamplingFields(_Lenient, StrictSampling, LogitsFields):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs (see .structured)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     cache_salt: str | None = None
 
     @field_validator("cache_salt")
@@ -95,6 +100,9 @@ class ContentPart(_Lenient):
 class ChatMessage(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
+    # An assistant turn's calls (OpenAI's shape, passed to the chat template) and a tool's reply.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -122,6 +130,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -183,7 +194,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -222,6 +234,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -34,6 +34,14 @@ from segserve.entrypoints.openai.fields import (
 )
 from segserve.entrypoints.openai.limits import max_prompt_chars, printable
 from segserve.entrypoints.openai.logprobs_format import CompletionLogprobsBuilder, chat_logprobs
+from segserve.entrypoints.openai.structured import FieldError, structured_outputs_of
+from segserve.entrypoints.openai.tool_calls import (
+    ToolPlan,
+    ToolStream,
+    message_dicts,
+    parse_tool_calls,
+    plan_tools,
+)
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -58,15 +66,25 @@ def _param_of(message: str) -> str | None:
 
 
 def sampling_params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """``SamplingParams`` of a request. Raises ApiError(400) naming the field and its allowed range."""
+                    prompt_logprobs: int | None = None, tools: ToolPlan | None = None) -> SamplingParams:
+    """``SamplingParams`` of a request. Raises ApiError(400) naming the field and its allowed range.
+
+    The output constraint comes from ``response_format`` / ``structured_outputs``, or from ``tools``
+    (``tool_choice`` required or named); asking for both is refused.
+    """
+    try:
+        constraint = structured_outputs_of(req.response_format, req.structured_outputs,
+                                           tools.constraint if tools is not None else None)
+    except FieldError as exc:
+        raise bad_request(str(exc), exc.param) from None
     optional = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
                                   ("top_k", req.top_k), ("min_p", req.min_p)) if v is not None}
     try:
         return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed,
                               min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                               stop_token_ids=req.stop_token_ids, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs, **req.logits_kwargs(), **optional)
+                              prompt_logprobs=prompt_logprobs, structured_outputs=constraint,
+                              **req.logits_kwargs(), **optional)
     except ValueError as exc:
         raise bad_request(_short(exc), _param_of(str(exc))) from None
 
@@ -180,11 +198,13 @@ class OpenAIServing:
         engine: the running async engine.
         served_model_names: names clients may send as ``model``; the first is the one reported.
         salt_by_api_key: salt every request's prefix-cache hashes by its API key (``tenant_salt``).
+        tool_parser: the tool-call parser of ``tool_choice: "auto"`` (``"hermes"``), or None.
     """
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str],
-                 salt_by_api_key: bool = False) -> None:
+                 salt_by_api_key: bool = False, tool_parser: str | None = None) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser  # set with --enable-auto-tool-choice; enables tool_choice "auto"
         self.salt_by_api_key = salt_by_api_key
         self.names = served_model_names
         self.llm = engine.engine  # read-only here: tokenizer, chat template, max_model_len
@@ -258,17 +278,17 @@ class OpenAIServing:
             problem = m.unsupported_part()
             if problem is not None:
                 raise bad_request(f"messages[{i}].content: {problem}", "messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        messages = message_dicts(req.messages)
         self.check_prompt_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
         return messages
 
-    def chat_prompt_ids(self, req: p.ChatCompletionRequest, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt_ids(self, req: p.ChatCompletionRequest, messages: list[dict[str, str]],
+                        tools: list[dict] | None = None) -> list[int]:
         from segserve.engine.llm import chat_prompt_ids
 
         try:
             return chat_prompt_ids(self.llm, messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs)
+                                   req.chat_template_kwargs, tools=tools)
         except Exception as exc:  # noqa: BLE001 - template errors come in many types; all are the client's
             message = f"messages could not be rendered with the chat template: {printable(str(exc), 200)}"
             raise bad_request(message, "messages") from None
@@ -297,7 +317,8 @@ class OpenAIServing:
         return tenant_salt(raw.headers.get("authorization"), req.cache_salt)
 
     async def _start(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
-                     cache_salt: str | None) -> OutputStream:
+                     cache_salt: str | None, by_format: bool = False) -> OutputStream:
+        """Add one request; ``by_format``: its constraint came from ``response_format`` (named in errors)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
@@ -307,15 +328,21 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise engine_error(exc) from None
         except ValueError as exc:
-            raise bad_request(_short(exc), _param_of(str(exc))) from None
+            message = _short(exc)
+            if message.startswith("structured_outputs") and by_format:
+                # The client sent response_format: name its field, not the engine's.
+                message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+                raise bad_request(message, "response_format") from None
+            param = "structured_outputs" if message.startswith("structured_outputs") else _param_of(message)
+            raise bad_request(message, param) from None
 
     async def _start_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                         cache_salt: str | None) -> list[OutputStream]:
+                         cache_salt: str | None, by_format: bool = False) -> list[OutputStream]:
         """One engine request per prompt; if one is refused, the ones already added are aborted."""
         streams: list[OutputStream] = []
         try:
             for ids in prompts:
-                streams.append(await self._start(ids, params, prefix, cache_salt))
+                streams.append(await self._start(ids, params, prefix, cache_salt, by_format))
         except BaseException:
             for stream in streams:
                 stream.abort_if_unfinished()
@@ -339,7 +366,8 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(self.completion_prompts, req)
         for prompt in prompts:
             self.check_length(len(prompt.ids), max_tokens, "prompt")
-        streams = await self._start_all([x.ids for x in prompts], params, "cmpl", self.salt_of(req, raw))
+        streams = await self._start_all([x.ids for x in prompts], params, "cmpl", self.salt_of(req, raw),
+                                        req.response_format is not None)
         rid, model = streams[0].request_id, self.names[0]
         outputs = until_disconnected(streams, raw)
         if req.stream:
@@ -396,21 +424,24 @@ class OpenAIServing:
                               "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self.check_top_k(req)
-        params = sampling_params(req, max_tokens, top if req.logprobs else None)
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        except FieldError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        params = sampling_params(req, max_tokens, top if req.logprobs else None, tools=plan)
         self.check_servable(params)
-        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req, self.chat_messages(req))
+        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req, self.chat_messages(req), plan.tools)
         self.check_length(len(prompt_ids), max_tokens, "messages")
-        streams = await self._start_all([prompt_ids], params, "chatcmpl", self.salt_of(req, raw))
+        streams = await self._start_all([prompt_ids], params, "chatcmpl", self.salt_of(req, raw),
+                                        req.response_format is not None)
         rid, model = streams[0].request_id, self.names[0]
         outputs = until_disconnected(streams, raw)
         top_n = top if req.logprobs else None
         if req.stream:
-            events = self._chat_events(outputs, rid, model, top_n, req)
+            events = self._chat_events(outputs, rid, model, top_n, req, plan)
             return StreamingResponse(_guard(events, streams), media_type="text/event-stream")
         final = (await _last_each(outputs, 1))[0]
-        choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
-                                logprobs=self._chat_logprobs(c.token_ids, c.logprobs, top_n),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        choices = [_chat_choice(c, plan, self._chat_logprobs(c.token_ids, c.logprobs, top_n))
                    for c in final.outputs]
         return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage([final]))
 
@@ -420,15 +451,22 @@ class OpenAIServing:
         return chat_logprobs(ids, list(positions or []), top_n, self.decode_token)
 
     async def _chat_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]], rid: str, model: str,
-                           top_n: int | None, req: p.ChatCompletionRequest) -> AsyncIterator[str]:
+                           top_n: int | None, req: p.ChatCompletionRequest, plan: ToolPlan
+                           ) -> AsyncIterator[str]:
         chunk: Callable[..., str] = lambda choices, usage=None: _sse(  # noqa: E731 - local shorthand
             p.ChatCompletionChunk(id=rid, model=model, choices=choices, usage=usage))
         sent: dict[int, _Sent] = {}
+        tools: dict[int, ToolStream] = {}
         last = None
         async for _, out in outputs:
             last = out
             choices = []
             for c in out.outputs:
+                if plan.mode != "none":  # content and tool calls come from the tool stream
+                    choice = _tool_delta(tools.setdefault(c.index, ToolStream(plan)), sent, c)
+                    if choice is not None:
+                        choices.append(choice)
+                    continue
                 state = sent.setdefault(c.index, _Sent(None))
                 first, done = not state.started, c.finish_reason is not None
                 if state.done or not (first or done or len(c.text) > state.chars):
@@ -446,6 +484,35 @@ class OpenAIServing:
                 yield chunk(choices, _usage([out]) if req.continuous_usage else None)
         if req.include_usage and last is not None and last.finished:
             yield chunk([], _usage([last]))
+
+
+def _chat_choice(c, plan: ToolPlan, logprobs: p.ChoiceLogprobs | None) -> p.ChatChoice:
+    """One finished choice: content, or content and ``tool_calls`` parsed as the plan says."""
+    content, calls = parse_tool_calls(plan, c.text)
+    return p.ChatChoice(index=c.index, message=p.AssistantMessage(content=content, tool_calls=calls),
+                        logprobs=logprobs, finish_reason=_tool_finish(c.finish_reason, bool(calls)),
+                        stop_reason=c.stop_reason)
+
+
+def _tool_finish(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` finish reason for an output that ended normally in tool calls."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _tool_delta(stream: ToolStream, sent: dict, c) -> p.ChatStreamChoice | None:
+    """The next streamed choice of a tool-calling request (role first, as the plain path sends it)."""
+    first, done = c.index not in sent, c.finish_reason is not None
+    if sent.get(c.index) == "done":
+        return None
+    content, calls = stream.finish(c.text) if done else stream.update(c.text)
+    sent[c.index] = "done" if done else "started"
+    if not (first or done or content is not None or calls):
+        return None
+    delta = p.DeltaMessage(role="assistant" if first else None,
+                           content=content if content is not None or not first else "",
+                           tool_calls=calls or None)
+    reason = _tool_finish(c.finish_reason, bool(stream.calls)) if done else None
+    return p.ChatStreamChoice(index=c.index, delta=delta, finish_reason=reason)
 
 
 def tenant_salt(authorization: str | None, cache_salt: str | None) -> str:

@@ -1,0 +1,92 @@
+"""From ``StructuredOutputsParams`` to an xgrammar ``Grammar`` (fast, checks the input) and from that to a
+compiled grammar (slow: the per-token masks of the tokenizer's vocabulary are precomputed).
+
+The split follows vLLM's xgrammar backend: the request is validated when it arrives (a bad schema,
+regex or grammar is the client's error, answered at once), and only compilation runs in the
+background. Kinds map to xgrammar as vLLM maps them: ``json`` -> JSON schema (strict mode, as
+xgrammar's default), ``json_object`` -> the schema ``{"type": "object"}``, ``choice`` -> an EBNF
+alternation of string literals, ``regex`` -> xgrammar's regex, ``grammar`` -> EBNF or Lark.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xgrammar as xgr
+
+from segserve.structured_output.params import StructuredOutputsParams
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """The xgrammar ``Grammar`` of ``params``.
+
+    Raises:
+        ValueError: the schema is not a valid JSON schema or uses what xgrammar cannot express; the
+            regex or grammar does not parse. The message names the field and the library's reason.
+    """
+    kind, text, no_ws = params.cache_key()
+    try:
+        if kind == "json":
+            _check_json_schema(json.loads(text))
+            return json_schema_grammar(text, any_whitespace=not no_ws)
+        if kind == "json_object":
+            return json_schema_grammar(JSON_OBJECT_SCHEMA, any_whitespace=not no_ws)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if is_ebnf(text):
+            return xgr.Grammar.from_ebnf(text)
+        return xgr.Grammar.from_lark(text)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types
+        raise ValueError(f"structured_outputs.{kind} is invalid or unsupported: {_first_line(exc)}") from None
+
+
+# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as this class, which admits
+# raw control characters (U+0000-U+001F other than CR/LF): invalid JSON. Its unbounded strings exclude
+# them; bounded ones get the same class here (escapes stay out of bounded strings, as before).
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool) -> xgr.Grammar:
+    """xgrammar's grammar of a JSON schema (text), with bounded-length strings kept to valid JSON."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    ebnf = str(grammar)
+    if _LOOSE_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """``root ::= "a" | "b"``: EBNF matching exactly one of ``choices`` (JSON string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def is_ebnf(grammar: str) -> bool:
+    """EBNF/GBNF defines rules with ``::=``; Lark with ``:`` (vLLM tells the two apart the same way)."""
+    return "::=" in grammar
+
+
+def _check_json_schema(schema: Any) -> None:
+    """ValueError naming the problem when ``schema`` is not a JSON schema (jsonschema's meta-schema)."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        message = f"structured_outputs.json is not a valid JSON schema at {where}: {exc.message}"
+        raise ValueError(message) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
