@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 SUPPORTED_KV_SEGMENT_SIZES = (512, 1024, 2048, 4096)
 SCHEDULING_POLICIES = ("decode_first", "prefill_first")
+# ``--quantization`` (vLLM's flag): None (a GGUF file's Q8_0/Q4_0/Q4_1 tensors run in their block form,
+# other types dequantized), "gguf" (the same, refusing a checkpoint that is not GGUF), "none"
+# (dequantize every tensor to the model dtype at load, as before issue 16).
+QUANTIZATION_CHOICES = (None, "gguf", "none")
 
 
 def cdiv(a: int, b: int) -> int:

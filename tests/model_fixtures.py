@@ -30,7 +30,7 @@ _TRAIN_TEXT = (
 def new_caches(model: Any, num_blocks: int, block_size: int) -> list[torch.Tensor]:
     """One zeroed ``[2, num_blocks, block_size, Hkv, D]`` cache per layer, in the model's dtype."""
     cfg = model.config
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.activation_dtype
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 
@@ -143,10 +143,19 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}"
 
 
-def write_tiny_gguf(path: Path, hf_model: Any, tokenizer: Any, extra_tensors: dict | None = None,
-                    add_bos: bool = False) -> None:
-    """Write ``hf_model`` (float32 weights, Q/K permuted as llama.cpp does) and ``tokenizer`` to a GGUF."""
+def write_tiny_gguf(
+    path: Path, hf_model: Any, tokenizer: Any, extra_tensors: dict | None = None, add_bos: bool = False,
+    qtype: str | None = None, types: dict[str, str] | None = None,
+) -> None:
+    """Write ``hf_model`` (float32 weights, Q/K permuted as llama.cpp does) and ``tokenizer`` to a GGUF.
+
+    ``qtype`` (e.g. ``"Q4_1"``) stores every 2-D tensor (projections, embedding, LM head) in that GGUF
+    type, quantized by gguf-py as llama.cpp's ``llama-quantize`` would (after the Q/K permutation);
+    ``types`` maps single GGUF tensor names to a type of their own (``"I32"``: the rounded values as
+    int32, a type no weight may have).
+    """
     import gguf
+    from gguf.quants import quantize
 
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), "llama")
@@ -179,7 +188,15 @@ def write_tiny_gguf(path: Path, hf_model: Any, tokenizer: Any, extra_tensors: di
             arr = llama_cpp_permute(arr, cfg.num_attention_heads)
         elif ".k_proj." in name:
             arr = llama_cpp_permute(arr, cfg.num_key_value_heads)
-        w.add_tensor(gguf_name(name) if name.startswith(("model.", "lm_head")) else name, arr)
+        gname = gguf_name(name) if name.startswith(("model.", "lm_head")) else name
+        kind = (types or {}).get(gname, qtype if arr.ndim == 2 else None)
+        if kind == "I32":
+            w.add_tensor(gname, np.rint(arr).astype(np.int32))
+        elif kind is not None:
+            gtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gname, quantize(arr, gtype), raw_dtype=gtype)
+        else:
+            w.add_tensor(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -40,13 +40,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PromptType = str | list[int] | dict[str, Any]
 
 
-def _load(model: str | LoadedModel | None, dtype: torch.dtype, backend: AttentionBackend) -> LoadedModel:
-    """``model`` loaded in ``dtype``, or as given when already loaded (ValueError if in another dtype)."""
+def _load(
+    model: str | LoadedModel | None, dtype: torch.dtype, backend: AttentionBackend,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """``model`` loaded in ``dtype``, or as given when already loaded (ValueError if in another dtype,
+    or if ``quantization`` asks for what it is not: ``"none"`` of a model with quantized layers,
+    ``"gguf"`` of one without)."""
     if not isinstance(model, LoadedModel):
-        return load_model(model, dtype=dtype, attn_backend=backend)
+        return load_model(model, dtype=dtype, attn_backend=backend, quantization=quantization)
     loaded_dtype = next(model.model.parameters()).dtype
     if loaded_dtype != dtype:
         raise ValueError(f"the loaded model is {loaded_dtype}, not {dtype}")
+    quantized = any(hasattr(m, "qweight") for m in model.model.modules())
+    if (quantization == "none" and quantized) or (quantization == "gguf" and not quantized):
+        state = "has" if quantized else "has no"
+        raise ValueError(f"the loaded model {state} GGUF-quantized layers; quantization={quantization!r} "
+                         "cannot change that (load it again)")
     return model
 
 
@@ -103,7 +113,7 @@ class LLMEngine:
         args.check()
         backend = get_attention_backend(args.attention_backend)
         t0 = time.perf_counter()
-        self.loaded = _load(args.model, torch_dtype, backend)
+        self.loaded = _load(args.model, torch_dtype, backend, args.quantization)
         self.load_seconds = time.perf_counter() - t0
         for layer in self.loaded.model.layers:
             layer.self_attn.attn_backend = backend

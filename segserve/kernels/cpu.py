@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from segserve.kernels import build
+from segserve.kernels.gguf_blocks import QuantWeight
 from segserve.kernels.switch import Switch
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -30,6 +31,9 @@ _PROLOGUES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 # oneDNN's bf16 GEMM alone beats the compiled one from 4 rows (bench_gemv: 9.0 vs 11.7 ms at M=4): the
 # ~200 eager ops a step saves weigh more.
 MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
+
+# The projections the decode stack may take as GGUF blocks (segserve_quant.c).
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 _switch = Switch("SEGSERVE_CPU_KERNELS")
 _lib = None
@@ -57,7 +61,7 @@ class _LinearArgs(ctypes.Structure):
     _fields_ = [
         ("size", _L), ("dt", _I), ("ydt", _I), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L),
         ("prologue", _I), ("norm_w", _P), ("eps", _F), ("w", _P), ("bias", _P), ("y", _P), ("ldy", _L),
-        ("accumulate", _I),
+        ("accumulate", _I), ("wqt", _I),
     ]
 
 
@@ -97,7 +101,10 @@ class _DecodeAttentionArgs(ctypes.Structure):
 class _Layer(ctypes.Structure):
     """``sg_layer`` (its fields are documented in the C source)."""
 
-    _fields_ = [(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")]
+    _fields_ = [
+        *[(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")],
+        *[(name, _I) for name in ("qkv_wqt", "o_wqt", "gate_up_wqt", "down_wqt")],
+    ]
 
 
 @_sized
@@ -545,7 +552,8 @@ class DecodeStack:
 
     Args:
         layers: per layer ``(ln1 (H,), qkv (Nqkv, H), qkv_bias (Nqkv,) or None, o (H, Hq D), ln2 (H,),
-            gate_up (2 I, H), down (H, I), kv_cache [2, num_blocks, block_size, Hkv, D])``, all one
+            gate_up (2 I, H), down (H, I), kv_cache [2, num_blocks, block_size, Hkv, D])``; each projection
+            a tensor or GGUF blocks (``QuantWeight``, run by ``csrc/segserve_quant.c``); the tensors all one
             dtype, contiguous (the caches give the shape every later step's caches must have).
             ``Nqkv = (Hq + 2 Hkv) D``.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D. eps: RMSNorm epsilon.
@@ -561,7 +569,7 @@ class DecodeStack:
                 f"{num_heads} heads, {num_kv_heads} KV heads, head_dim {head_dim}"
             )
         ln1, qkv, _, _, _, gate_up, _, cache = layers[0]
-        self.dtype = qkv.dtype
+        self.dtype = ln1.dtype  # the projections may be GGUF blocks (QuantWeight), the norms never
         self.hidden, self.inter = qkv.shape[1], gate_up.shape[0] // 2
         self.heads, self.kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
         _check_cache(cache)
@@ -580,22 +588,34 @@ class DecodeStack:
             for name, t, shape in zip(names, layer, shapes, strict=True):
                 if t is None and name == "qkv_bias":
                     continue
+                if isinstance(t, QuantWeight) and name in _PROJECTIONS:
+                    if t.shape != shape or t.data.device.type != "cpu":
+                        raise ValueError(f"layer {n} {name}: need {shape} blocks on CPU, got {t.shape}")
+                    continue
                 fits = t.dtype == self.dtype and t.device.type == "cpu" and t.is_contiguous()
                 if not fits or t.shape != shape:
                     raise ValueError(
                         f"layer {n} {name}: need contiguous {shape} {self.dtype} on CPU, got "
                         f"{tuple(t.shape)} {t.dtype} on {t.device}"
                     )
-        _dtype_code(qkv, "weights")
+        _dtype_code(ln1, "weights")
         if h % 32 or i % 32 or not _head_dim_fits(head_dim) or not _heads_fit(num_heads, num_kv_heads):
             raise ValueError(
                 f"hidden {h} and intermediate {i} must be multiples of 32, head_dim {head_dim} a multiple of "
                 f"16 up to 256, and {num_heads} heads at most 16 per each of {num_kv_heads} KV heads"
             )
         self._weights = [layer[:7] for layer in layers]
-        self._array = (_Layer * len(layers))(
-            *[_Layer(*[None if t is None else t.data_ptr() for t in layer[:7]], None) for layer in layers]
-        )
+
+        def pointer(t: torch.Tensor | QuantWeight | None) -> int | None:
+            return None if t is None else (t.data if isinstance(t, QuantWeight) else t).data_ptr()
+
+        def fmt(t: torch.Tensor | QuantWeight) -> int:
+            return t.wqt if isinstance(t, QuantWeight) else 0  # 0: WQT_DENSE, plain dt values
+
+        self._array = (_Layer * len(layers))(*[
+            _Layer(*[pointer(t) for t in layer[:7]], None, *[fmt(layer[i]) for i in (1, 3, 5, 6)])
+            for layer in layers
+        ])
         self._arange = torch.arange(0)
         # What every step shares, filled once; run() sets the step's own fields.
         _, num_blocks, block_size, _, _ = self.cache_shape

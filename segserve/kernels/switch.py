@@ -1,7 +1,8 @@
 """A process-wide on/off switch for one compiled kernel family, read from the environment once.
 
-``SEGSERVE_CPU_KERNELS``, ``SEGSERVE_AMX`` and ``SEGSERVE_CHUNK_ATTENTION`` each name one: a value of
-0/false/off/no turns that family off for the process, anything else (or unset) leaves it on.
+``SEGSERVE_CPU_KERNELS``, ``SEGSERVE_AMX``, ``SEGSERVE_CHUNK_ATTENTION`` and ``SEGSERVE_QUANT`` each name
+one: a value of 0/false/off/no turns that family off for the process, anything else (or unset) leaves it
+on.
 Benchmarks and tests flip a switch at run time with :meth:`Switch.set` or ``with switch.off():``.
 """
 

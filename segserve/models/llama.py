@@ -29,7 +29,9 @@ from torch import nn
 
 from segserve.attention.backends import AttentionBackend
 from segserve.attention.metadata import AttentionMetadata
+from segserve.kernels.gguf_blocks import QuantWeight
 from segserve.models.packed_linear import PackedLinear
+from segserve.models.quant_linear import QuantEmbedding, QuantLinear, quantized_matmul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -409,11 +411,28 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The ``(vocab, H)`` output matrix: the embedding's when the checkpoint ties them."""
+        """The ``(vocab, H)`` output matrix: the embedding's when the checkpoint ties them (for a head
+        kept in a GGUF block format, see :attr:`quantized_lm_head`; this then raises AttributeError)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def quantized_lm_head(self) -> QuantWeight | None:
+        """The output matrix's blocks when it is kept quantized (``QuantLinear`` / ``QuantEmbedding``),
+        else None."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.quant_weight if isinstance(head, (QuantLinear, QuantEmbedding)) else None
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states (the final norm's weight's: quantized layers have no float
+        weight to ask)."""
+        return self.norm.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits (matmul in the weight dtype)."""
+        quantized = self.quantized_lm_head
+        if quantized is not None:
+            return quantized_matmul(hidden, quantized, out_dtype=torch.float32)
         return F.linear(hidden, self.lm_head_weight).float()
 
     def rope_at(

@@ -5,12 +5,19 @@ llama.cpp's Q/K row permutation is undone), check the set of names against the c
 or unused tensor is a ``ValueError`` naming it), fuse q/k/v and gate/up, and assign the result into a
 ``LlamaForCausalLM`` built on the meta device (no random init, no second copy). Nothing is
 downloaded: Hugging Face calls run with ``local_files_only=True``.
+
+GGUF Q8_0, Q4_0 and Q4_1 tensors are kept in their block form by default (``QuantWeight``; their
+modules become ``segserve.models.quant_linear.QuantLinear`` / ``QuantEmbedding``): the Q/K
+permutation moves whole rows of blocks, and a fused projection concatenates its parts' block rows.
+Quantizing is per row, so both commute with it. ``quantization="none"`` dequantizes instead.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +26,18 @@ import numpy as np
 import torch
 
 from segserve.attention.backends import AttentionBackend, get_attention_backend
+from segserve.config import QUANTIZATION_CHOICES
+from segserve.kernels.gguf_blocks import FORMATS, QuantWeight, dequantize_torch
 from segserve.model_files import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401 - re-exported
 from segserve.models.llama import LlamaConfig, LlamaForCausalLM
+from segserve.models.quant_linear import QuantEmbedding, QuantLinear
+
+logger = logging.getLogger("segserve")
+
+# GGUF tensor types holding plain floats: dequantized (converted) without a note.
+_FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
+# Types gguf.quants.dequantize cannot turn into float weights.
+_INTEGER_GGUF_TYPES = ("I8", "I16", "I32", "I64")
 
 # GGUF tensor names (llama.cpp's ``gguf-py/gguf/tensor_mapping.py``) -> Hugging Face names.
 _GGUF_GLOBAL_NAMES = {
@@ -70,26 +87,36 @@ def load_model(
     model: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     attn_backend: AttentionBackend | str = "segmented",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load weights, config, tokenizer and chat template.
 
     Args:
         model: a ``.gguf`` file, a local Hugging Face directory (``config.json``, ``*.safetensors``,
             tokenizer files), or ``None`` for the default SmolLM2 GGUF.
-        dtype: weight and activation dtype (float32 or bfloat16; GGUF tensors are dequantized to it).
+        dtype: activation dtype (float32 or bfloat16), and that of every weight kept in float.
         attn_backend: a backend object, or a name for ``segserve.attention.backends.get_attention_backend``.
+        quantization: None (default) keeps a GGUF file's Q8_0, Q4_0 and Q4_1 weights in their block
+            form (``segserve.models.quant_linear``; norms and float tensors in ``dtype``) and
+            dequantizes other quantized types with one log line per type; ``"gguf"`` the same, but
+            refuses a checkpoint that is not GGUF; ``"none"`` dequantizes every tensor to ``dtype``.
 
     Raises:
         FileNotFoundError: when the path does not exist or the default model is not installed.
         ValueError: on an unsupported architecture, a checkpoint whose tensors do not match its config,
-            or a file that is not a readable GGUF (the message names the file).
+            a file that is not a readable GGUF or a truncated or mis-typed tensor in one (the message
+            names the file or the tensor), or a ``quantization`` not in ``QUANTIZATION_CHOICES``.
     """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {quantization!r}")
     path = default_model_path() if model is None else Path(model)
     if isinstance(attn_backend, str):
         attn_backend = get_attention_backend(attn_backend)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, attn_backend)
+        return _load_gguf(path, dtype, attn_backend, native=quantization != "none")
     if path.is_dir():
+        if quantization == "gguf":
+            raise ValueError(f"quantization='gguf' needs a .gguf file; {path} is a Hugging Face directory")
         return _load_hf_dir(path, dtype, attn_backend)
     raise FileNotFoundError(f"{path}: expected a .gguf file or a local Hugging Face model directory")
 
@@ -97,15 +124,20 @@ def load_model(
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, backend: AttentionBackend) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, backend: AttentionBackend, native: bool = False
+) -> LoadedModel:
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(path)
     except Exception as e:  # gguf raises ValueError, struct.error, IndexError... on a bad file
+        bad_tensor = _diagnose_tensors(path)
+        if bad_tensor is not None:
+            raise ValueError(f"{path}: {bad_tensor}") from e
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     config = config_from_gguf(reader)
-    model = build_model(config, gguf_state_dict(reader, config, dtype), backend)
+    model = build_model(config, gguf_state_dict(reader, config, dtype, native=native), backend)
     tokenizer = tokenizer_from_gguf(reader, path)
     eos = [] if config.eos_token_id is None else [config.eos_token_id]
     return LoadedModel(model, config, tokenizer, tokenizer.chat_template, eos, path.stem)
@@ -191,22 +223,103 @@ def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_state_dict(reader: Any, config: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, dequantized to ``dtype``, under Hugging Face names, Q/K unpermuted."""
+def _diagnose_tensors(path: Path) -> str | None:
+    """Why gguf's reader could not build a tensor of ``path``, naming it: a type id ggml does not know,
+    or data running past the end of the file (truncated); None when no tensor is at fault (a bad
+    header: the caller's generic message stands). Reads the tensor table only."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class _TableOnly(GGUFReader):
+        # gguf.GGUFReader builds every tensor in __init__ (failing there on the first bad one, without
+        # its name); this keeps the parsed table instead (gguf 0.19's _build_tensors hook).
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            self.table = (start_offs, fields)
+
+    try:
+        table = _TableOnly(path)
+    except Exception:
+        return None
+    start, fields = table.table
+    size = len(table.data)
+    for field in fields:
+        _, name_data, _, dims, raw_type, offset = field.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        shape = tuple(reversed(dims.tolist()))
+        try:
+            ggml_type = GGMLQuantizationType(int(raw_type[0]))
+        except ValueError:
+            return f"tensor {name!r} {shape} has GGML type id {int(raw_type[0])}, not a known type"
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        elements = int(np.prod(dims))
+        if elements % block:
+            return f"tensor {name!r} {shape} of type {ggml_type.name} is not whole {block}-value blocks"
+        end = int(start + offset[0]) + elements // block * type_size
+        if end > size:
+            return (f"tensor {name!r} {shape} of type {ggml_type.name} needs bytes up to offset {end}, "
+                    f"but the file has {size} (truncated)")
+    return None
+
+
+def _check_tensor(tensor: Any, shape: tuple[int, ...]) -> None:
+    """ValueError naming a tensor gguf read but segserve cannot use: an integer type, or data of another
+    size than its type and shape need."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    kind = tensor.tensor_type.name
+    if kind in _INTEGER_GGUF_TYPES:
+        raise ValueError(
+            f"tensor {tensor.name!r} {shape} has integer type {kind}; weights must be float (F32, F16, BF16) "
+            "or a GGUF quantized type"
+        )
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    want = int(np.prod(shape)) // block * type_size
+    if tensor.data.nbytes != want:
+        raise ValueError(
+            f"tensor {tensor.name!r} {shape} of type {kind} holds {tensor.data.nbytes} bytes, its type and "
+            f"shape need {want}"
+        )
+
+
+def gguf_state_dict(
+    reader: Any, config: LlamaConfig, dtype: torch.dtype, native: bool = False
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """Every tensor of the file under Hugging Face names, Q/K unpermuted: dequantized to ``dtype``, or
+    with ``native`` the 2-D Q8_0/Q4_0/Q4_1 ones as ``QuantWeight`` (a copy of their blocks, so the
+    file's memory map can go). Other quantized types are dequantized then, with one log line per type.
+
+    Raises:
+        ValueError: naming a tensor of an integer type or whose data size does not fit its type and shape.
+    """
     from gguf.quants import dequantize
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    not_native: dict[str, list[str]] = defaultdict(list)
     for tensor in reader.tensors:
         shape = tuple(reversed(tensor.shape.tolist()))  # ggml lists dims innermost first
+        _check_tensor(tensor, shape)
+        name, kind = gguf_tensor_name(tensor.name), tensor.tensor_type.name
+        heads = (config.num_attention_heads if ".self_attn.q_proj." in name
+                 else config.num_key_value_heads if ".self_attn.k_proj." in name else None)
+        if native and kind in FORMATS and len(shape) == 2:
+            blocks = tensor.data.reshape(shape[0], -1)  # (rows, row bytes): Q/K rows move whole
+            if heads is not None:
+                blocks = unpermute_rotary_rows(blocks, heads)
+            blocks = np.array(blocks, dtype=np.uint8)  # a copy: the memory map is not kept
+            out[name] = QuantWeight(torch.from_numpy(blocks), kind, shape[1])
+            continue
+        if native and kind not in _FLOAT_GGUF_TYPES:
+            not_native[kind].append(tensor.name)
         w = dequantize(tensor.data, tensor.tensor_type).reshape(shape)  # (rows, cols) float32
-        name = gguf_tensor_name(tensor.name)
-        if ".self_attn.q_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_attention_heads)
-        elif ".self_attn.k_proj." in name:
-            w = unpermute_rotary_rows(w, config.num_key_value_heads)
+        if heads is not None:
+            w = unpermute_rotary_rows(w, heads)
         # Unquantized tensors come back as views of the read-only memory map: copy those.
         w = w if w.flags.writeable and w.flags.c_contiguous else np.array(w, dtype=np.float32)
         out[name] = torch.from_numpy(w).to(dtype)
+    for kind, names in not_native.items():
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        logger.info("GGUF type %s has no native kernel: dequantized to %s (%s%s)", kind,
+                    str(dtype).removeprefix("torch."), names[0], more)
     return out
 
 
@@ -377,7 +490,7 @@ def _is_tolerated_extra(name: str, tensors: dict[str, torch.Tensor], config: Lla
             and torch.equal(tensors[name], tensors.get("model.embed_tokens.weight", torch.empty(0))))
 
 
-def check_tensors(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
+def check_tensors(config: LlamaConfig, tensors: dict[str, torch.Tensor | QuantWeight]) -> None:
     """Raise ``ValueError`` listing every missing, unused or wrongly shaped tensor (HF names)."""
     expected = expected_hf_shapes(config)
     missing = sorted(set(expected) - set(tensors))
@@ -392,9 +505,12 @@ def check_tensors(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None
         raise ValueError("checkpoint does not match its config; " + "; ".join(problems))
 
 
-def fuse_state_dict(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fuse_state_dict(
+    config: LlamaConfig, tensors: dict[str, torch.Tensor | QuantWeight]
+) -> dict[str, torch.Tensor | QuantWeight]:
     """HF-named tensors -> ``LlamaForCausalLM`` state dict: ``model.`` prefix dropped,
     ``qkv_proj = cat(q, k, v)``, ``gate_up_proj = cat(gate, up)`` along the output rows."""
+    cat = _cat_rows
     out = {
         "embed_tokens.weight": tensors["model.embed_tokens.weight"],
         "norm.weight": tensors["model.norm.weight"],
@@ -404,26 +520,58 @@ def fuse_state_dict(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> di
     for n in range(config.num_hidden_layers):
         src, dst = f"model.layers.{n}.", f"layers.{n}."
         a = f"{src}self_attn."
-        out[f"{dst}self_attn.qkv_proj.weight"] = torch.cat([tensors[f"{a}{p}_proj.weight"] for p in "qkv"])
+        out[f"{dst}self_attn.qkv_proj.weight"] = cat([tensors[f"{a}{p}_proj.weight"] for p in "qkv"])
         if config.attention_bias:
             out[f"{dst}self_attn.qkv_proj.bias"] = torch.cat([tensors[f"{a}{p}_proj.bias"] for p in "qkv"])
         out[f"{dst}self_attn.o_proj.weight"] = tensors[f"{a}o_proj.weight"]
         m = f"{src}mlp."
         gate_up = [tensors[f"{m}{p}_proj.weight"] for p in ("gate", "up")]
-        out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat(gate_up)
+        out[f"{dst}mlp.gate_up_proj.weight"] = cat(gate_up)
         out[f"{dst}mlp.down_proj.weight"] = tensors[f"{m}down_proj.weight"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{dst}{norm}.weight"] = tensors[f"{src}{norm}.weight"]
     return out
 
 
+def _cat_rows(parts: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
+    """Row-wise concatenation of a fused projection's parts: their blocks when all are one quantized
+    type; else (a mixed file) floats, the quantized parts dequantized in the float parts' dtype (or
+    float32), with a log line."""
+    if all(isinstance(p, QuantWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
+        return QuantWeight(torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].in_features)
+    if not any(isinstance(p, QuantWeight) for p in parts):
+        return torch.cat(parts)
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
+    kinds = sorted({p.qtype if isinstance(p, QuantWeight) else str(p.dtype) for p in parts})
+    logger.info("a fused projection mixes %s: dequantized to %s", ", ".join(kinds), dtype)
+    return torch.cat([dequantize_torch(p, dtype) if isinstance(p, QuantWeight) else p for p in parts])
+
+
+def _swap_in_quantized(model: LlamaForCausalLM, state: dict[str, Any], dtype: torch.dtype) -> None:
+    """Replace each module whose weight in ``state`` is a ``QuantWeight`` by a ``QuantLinear`` /
+    ``QuantEmbedding`` (on the meta device) and put its blocks in ``state`` as ``<module>.qweight``."""
+    for key in [k for k, v in state.items() if isinstance(v, QuantWeight)]:
+        w = state.pop(key)
+        path = key.removesuffix(".weight")
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        n, k = w.shape
+        if path == "embed_tokens":
+            module = QuantEmbedding(n, k, w.qtype, dtype, device="meta")
+        else:
+            module = QuantLinear(k, n, w.qtype, bias=f"{path}.bias" in state, device="meta", dtype=dtype)
+        setattr(parent, attr, module)
+        state[f"{path}.qweight"] = w.data
+
+
 def build_model(
-    config: LlamaConfig, tensors: dict[str, torch.Tensor], attn_backend: AttentionBackend
+    config: LlamaConfig, tensors: dict[str, torch.Tensor | QuantWeight], attn_backend: AttentionBackend
 ) -> LlamaForCausalLM:
     """Check HF-named ``tensors`` against ``config``, fuse them and assign them into a new model.
 
     The module is built on the meta device, so its parameters are exactly ``tensors`` (their dtype
-    and device); it is returned in eval mode with gradients off.
+    and device); a ``QuantWeight`` makes its module a ``QuantLinear`` (or ``QuantEmbedding``) holding
+    its blocks. Returned in eval mode with gradients off.
 
     Raises:
         ValueError: listing missing, unused or wrongly shaped tensors.
@@ -431,5 +579,7 @@ def build_model(
     check_tensors(config, tensors)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attn_backend)
-    model.load_state_dict(fuse_state_dict(config, tensors), strict=True, assign=True)
+    state = fuse_state_dict(config, tensors)
+    _swap_in_quantized(model, state, state["norm.weight"].dtype)
+    model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

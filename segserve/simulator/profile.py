@@ -103,7 +103,9 @@ def measure(loaded, grid=DEFAULT_GRID, log=print) -> list[tuple[StepComposition,
 def model_shape_of(loaded, dtype_bytes: int = 4) -> dict:
     """``ModelShape`` fields of a loaded model (``dtype_bytes`` per weight and KV element)."""
     c = loaded.config
-    params = sum(p.numel() for p in loaded.model.parameters())
+    # Weights kept in GGUF blocks (``qweight`` buffers) count as the values they hold, not their bytes.
+    blocks = [m.quant_weight.shape for m in loaded.model.modules() if hasattr(m, "quant_weight")]
+    params = sum(p.numel() for p in loaded.model.parameters()) + sum(n * k for n, k in blocks)
     return dict(
         name=loaded.name,
         num_params=float(params),

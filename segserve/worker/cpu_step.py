@@ -26,10 +26,12 @@ import torch
 
 from segserve.attention.metadata import AttentionMetadata
 from segserve.attention.segmented import SegmentedAttentionBackend
-from segserve.kernels import amx
+from segserve.kernels import amx, quant
 from segserve.kernels import cpu as cpu_kernels
+from segserve.kernels.gguf_blocks import QuantWeight
 from segserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
+from segserve.models.quant_linear import QuantLinear, quantized_matmul
 
 # rope_'s own limit, checked once per dtype here rather than failing inside a step.
 _MAX_ROPE_HEAD_DIM = 1024
@@ -73,7 +75,7 @@ class CpuStep:
         """
         model = self.model
         self._amx_weights = amx_layer_weights(model)
-        linears = _linears(model)
+        linears = [m for m in _linears(model) if isinstance(m, PackedLinear)]  # blocks are not repacked
         if self._amx_weights is not None:
             amx_packed = {id(m) for ly in model.layers for m in _layer_linears(ly)}
             for m in linears:
@@ -83,7 +85,9 @@ class CpuStep:
         count = sum(m.pack() for m in linears) + (0 if self._amx_weights is None else 4 * len(model.layers))
         self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
         self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
-        if model.lm_head is None:  # tied: the LM head reads the embedding matrix
+        if model.quantized_lm_head is not None:  # kept in blocks: nothing to pack
+            self._packed_lm_head = None
+        elif model.lm_head is None:  # tied: the LM head reads the embedding matrix
             self._packed_lm_head = pack_weight(model.embed_tokens.weight)
         else:
             self._packed_lm_head = model.lm_head.packed_weight
@@ -92,7 +96,8 @@ class CpuStep:
     def unpack(self) -> None:
         """Drop every packed copy: projections and LM head go back to ``F.linear``."""
         for m in _linears(self.model):
-            m.unpack()
+            if isinstance(m, PackedLinear):
+                m.unpack()
         self._packed_lm_head = None
         self._amx_weights = None
 
@@ -116,11 +121,11 @@ class CpuStep:
                 before anything is written) a slot or block id lies outside the caches.
         """
         model = self.model
-        weight = model.embed_tokens.weight  # the activations' dtype and device
-        if not self._kernels_fit(weight.dtype, weight.device):
+        dtype, device = model.activation_dtype, model.norm.weight.device
+        if not self._kernels_fit(dtype, device):
             return model(input_ids, positions, kv_caches, metadata)
-        if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[weight.dtype]:
-            amx_weights = self._amx_weights if self._amx_fits(weight.dtype, input_ids.shape[0]) else None
+        if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[dtype]:
+            amx_weights = self._amx_weights if self._amx_fits(dtype, input_ids.shape[0]) else None
             return forward_chunk(model, input_ids, positions, kv_caches, metadata, amx_weights)
         model.check_kv_caches(kv_caches)
         h = model.embed_tokens(input_ids)  # (T, H)
@@ -168,6 +173,9 @@ class CpuStep:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``
         (equal within summation order; bfloat16 packed results bitwise)."""
+        quantized = self.model.quantized_lm_head
+        if quantized is not None:
+            return quantized_matmul(hidden, quantized, out_dtype=torch.float32)
         weight = self.model.lm_head_weight
         if (
             hidden.dtype == weight.dtype
@@ -195,12 +203,17 @@ class CpuStep:
         if dtype not in cpu_kernels.MAX_SMALL_ROWS or device.type != "cpu" or not cpu_kernels.enabled():
             return False
         model = self.model
-        if model.layers[0].self_attn.qkv_proj.weight.dtype != dtype:
+        if model.activation_dtype != dtype:
             return False
+        linears = _linears(model)
+        if any(isinstance(m, QuantLinear) for m in linears) and not quant.enabled():
+            return False  # SEGSERVE_QUANT=0: the model's own (dequantize-then-matmul) forward
         fits = self._kernel_fit.get(dtype)
         if fits is None:
             fits = model.config.head_dim <= _MAX_ROPE_HEAD_DIM and all(
-                cpu_kernels.supports_linear(m.weight) and m.weight.dtype == dtype for m in _linears(model)
+                isinstance(m, QuantLinear)
+                or (cpu_kernels.supports_linear(m.weight) and m.weight.dtype == dtype)
+                for m in linears
             )
             self._kernel_fit[dtype] = fits
         return fits
@@ -214,15 +227,29 @@ def forward_small(
     SiLU gate and the residual adds fused in: ``h`` ``(T, H)`` contiguous, ``T <= MAX_SMALL_ROWS``,
     updated in place and returned; ``cos``/``sin`` ``(T, D)`` float32 rows of the RoPE table."""
     attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-    qkv = cpu_kernels.linear(
-        h, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="rmsnorm", norm_weight=ln1.weight, eps=ln1.eps,
+    qkv = _small_linear(
+        attn.qkv_proj, h, attn.qkv_proj.bias, prologue="rmsnorm", norm_weight=ln1.weight, eps=ln1.eps,
     )  # (T, (Hq + 2 Hkv) D)
     out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
-    cpu_kernels.linear(out, attn.o_proj.weight, residual=h)  # h += o_proj(out)
-    gate_up = cpu_kernels.linear(
-        h, mlp.gate_up_proj.weight, prologue="rmsnorm", norm_weight=ln2.weight, eps=ln2.eps
+    _small_linear(attn.o_proj, out, residual=h)  # h += o_proj(out)
+    gate_up = _small_linear(
+        mlp.gate_up_proj, h, prologue="rmsnorm", norm_weight=ln2.weight, eps=ln2.eps
     )  # (T, 2 I)
-    return cpu_kernels.linear(gate_up, mlp.down_proj.weight, prologue="silu_mul", residual=h)
+    return _small_linear(mlp.down_proj, gate_up, prologue="silu_mul", residual=h)
+
+
+def _small_linear(module: PackedLinear | QuantLinear, x: torch.Tensor, bias: torch.Tensor | None = None,
+                  **kwargs) -> torch.Tensor:
+    """The compiled small-batch linear of ``module``'s weight: plain (``cpu.linear``) or GGUF blocks
+    (``quant.linear``), with the same prologue and residual keywords."""
+    if isinstance(module, QuantLinear):
+        return quant.linear(x, module.quant_weight, bias, **kwargs)
+    return cpu_kernels.linear(x, module.weight, bias, **kwargs)
+
+
+def _kernel_weight(module: PackedLinear | QuantLinear) -> torch.Tensor | QuantWeight:
+    """What the compiled decode step reads for ``module``: its plain weight or its blocks."""
+    return module.quant_weight if isinstance(module, QuantLinear) else module.weight.detach()
 
 
 def forward_chunk(
@@ -275,7 +302,9 @@ def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]]
         return None
     for layer in model.layers:
         for m in _layer_linears(layer):
-            if not amx.supports(m.weight) or (m.bias is not None and m is not layer.self_attn.qkv_proj):
+            if not isinstance(m, PackedLinear) or not amx.supports(m.weight) or (
+                m.bias is not None and m is not layer.self_attn.qkv_proj
+            ):
                 return None
         bias = layer.self_attn.qkv_proj.bias
         if bias is not None and bias.dtype != torch.bfloat16:
@@ -283,7 +312,7 @@ def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]]
     return [tuple(amx.pack(m.weight) for m in _layer_linears(layer)) for layer in model.layers]
 
 
-def _layer_linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear, ...]:
+def _layer_linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear | QuantLinear, ...]:
     """``(qkv, o, gate_up, down)``: the projections :func:`forward_chunk` runs on AMX, in its order."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
@@ -293,15 +322,16 @@ def decode_stack_layers(model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) 
     """Per layer, the tensors ``cpu_kernels.DecodeStack`` reads, in its order: ``(ln1 (H,), qkv
     (Nqkv, H), qkv_bias (Nqkv,) or None, o (H, Hq D), ln2 (H,), gate_up (2 I, H), down (H, I),
     kv_cache)``; ``kv_caches`` one per layer."""
+    bias = [ly.self_attn.qkv_proj.bias for ly in model.layers]
     return [
-        tuple(None if t is None else t.detach() for t in (
-            ly.input_layernorm.weight, ly.self_attn.qkv_proj.weight, ly.self_attn.qkv_proj.bias,
-            ly.self_attn.o_proj.weight, ly.post_attention_layernorm.weight, ly.mlp.gate_up_proj.weight,
-            ly.mlp.down_proj.weight, kv,
-        ))
-        for ly, kv in zip(model.layers, kv_caches, strict=True)
+        (ly.input_layernorm.weight.detach(), _kernel_weight(ly.self_attn.qkv_proj),
+         None if b is None else b.detach(), _kernel_weight(ly.self_attn.o_proj),
+         ly.post_attention_layernorm.weight.detach(), _kernel_weight(ly.mlp.gate_up_proj),
+         _kernel_weight(ly.mlp.down_proj), kv)
+        for ly, b, kv in zip(model.layers, bias, kv_caches, strict=True)
     ]
 
 
-def _linears(model: LlamaForCausalLM) -> list[PackedLinear]:
-    return [m for m in model.modules() if isinstance(m, PackedLinear)]
+def _linears(model: LlamaForCausalLM) -> list[PackedLinear | QuantLinear]:
+    """Every projection (and an untied LM head): plain ``PackedLinear`` or GGUF-block ``QuantLinear``."""
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, QuantLinear))]

@@ -20,6 +20,7 @@ SMOL_BLOCK_BYTES = SMOL_BYTES_PER_TOKEN * 16
 EVERY_FIELD_SET = EngineArgs(
     model="m.gguf",
     dtype="bfloat16",
+    quantization="none",
     block_size=8,
     num_kv_blocks=40,
     kv_cache_memory_bytes=512 * 1024**2,
@@ -142,7 +143,8 @@ def test_cli_defaults_are_the_keyword_defaults():
 def test_cli_flags_build_the_config_the_keywords_build():
     flags = parse(
         [
-            "--model", "m.gguf", "--dtype", "bfloat16", "--block-size", "8", "--num-kv-blocks", "40",
+            "--model", "m.gguf", "--dtype", "bfloat16", "--quantization", "none", "--block-size", "8",
+            "--num-kv-blocks", "40",
             "--kv-cache-memory", "0.5", "--max-model-len", "1000", "--max-num-batched-tokens", "64",
             "--max-num-seqs", "5", "--no-enable-prefix-caching", "--long-prefill-token-threshold", "32",
             "--kv-segment-size", "1024", "--attention-backend", "reference",
@@ -172,3 +174,10 @@ def test_builder_imports_without_torch():
         "print(EngineArgs(dtype='bfloat16').create_engine_config(64).scheduler.max_model_len)"
     )
     assert output_without(("torch",), code) == "64"
+
+
+def test_quantization_outside_the_choices_is_refused_before_any_model_loads():
+    with pytest.raises(ValueError, match=r"quantization must be one of \[None, 'gguf', 'none'\], got 'awq'"):
+        EngineArgs(quantization="awq").check()
+    with pytest.raises(SystemExit):
+        parse(["--quantization", "awq"])

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "segserve_simd.h"
+#include "segserve_quant.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "segserve CPU kernels need AVX-512F and AVX-512 BF16"
@@ -47,7 +48,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define NT 4 /* rows of W per register tile */
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 5; }
+int sg_abi_version(void) { return 6; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -264,7 +265,38 @@ typedef struct {
     void *y;            /* (M, N) with row stride ldy */
     int64_t ldy;        /* row stride of y, elements */
     int32_t accumulate; /* nonzero: y = round(y + round(W x)), the eager ``h.add_(linear(x))`` */
+    int32_t wqt;        /* format of w: WQT_DENSE ((N, K) dt values) or a GGUF block type (segserve_quant.h) */
 } sg_linear_args;
+
+/* sg_linear for a weight in a GGUF block format: the prologue's rows (or x) widened to float32, then
+ * segserve_quant.c's register-tile product with the same epilogue. */
+static int quant_linear(const sg_linear_args *a) {
+    const int dt = a->dt;
+    const int64_t M = a->M, K = a->K, ldx = a->ldx;
+    if (M < 1 || a->N < 1 || K < 32 || K % 32) return ERR_SHAPE;
+    const float *xf = (const float *)a->x;
+    int64_t ld = ldx;
+    float *buf = NULL;
+    if (a->prologue != PRO_NONE || dt != DT_F32) {
+        buf = (float *)malloc(sizeof(float) * (M * K + (dt == DT_F32 ? 0 : M * K / 2 + 1)));
+        if (!buf) return ERR_NOMEM;
+        /* bfloat16 prologue rows go after the float32 ones (M K bf16 values fill M K / 2 floats). */
+        void *rows = dt == DT_F32 ? (void *)buf : (void *)(buf + M * K);
+        for (int64_t m = 0; m < M; m++) {
+            if (a->prologue != PRO_NONE) prologue_row(dt, a->prologue, K, a->x, ldx, m, a->norm_w, a->eps, rows);
+            if (dt == DT_F32) continue; /* the prologue wrote float32 rows into buf */
+            const uint16_t *src = a->prologue != PRO_NONE ? (const uint16_t *)rows + m * K
+                                                          : (const uint16_t *)a->x + m * ldx;
+            for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(buf + m * K + k, sg_bf16x16_to_f32(src + k));
+        }
+        xf = buf;
+        ld = K;
+    }
+    int rc = sg_quant_matmul(dt, a->ydt, a->wqt, M, a->N, K, xf, ld, a->w, a->bias, a->y, a->ldy,
+                             a->accumulate);
+    free(buf);
+    return rc;
+}
 
 /* y[m, n] (= or +=) W[n, :] . prologue(x[m, :]) (+ bias[n]) for m < M, n < N, for a few rows (decode
  * batches): W is streamed once for all rows, NT rows of W by up to MT rows of x per register tile, the
@@ -278,6 +310,7 @@ int sg_linear(const sg_linear_args *a) {
     const void *x = a->x, *norm_w = a->norm_w, *w = a->w, *bias = a->bias;
     const float eps = a->eps;
     void *y = a->y;
+    if (a->wqt != WQT_DENSE) return quant_linear(a);
     if (M < 1 || K % 32 || N % NT) return ERR_SHAPE;
     size_t es = dt == DT_F32 ? 4 : 2;
     const void *xin = x;
@@ -651,6 +684,10 @@ typedef struct {
     const void *gate_up;  /* (2 I, H) fused gate and up projection */
     const void *down;     /* (H, I) down projection */
     void *kv_cache;       /* [2, num_blocks, block_size, Hkv, D] */
+    int32_t qkv_wqt;      /* format of qkv: WQT_DENSE or a GGUF block type (segserve_quant.h) */
+    int32_t o_wqt;        /* format of o */
+    int32_t gate_up_wqt;  /* format of gate_up */
+    int32_t down_wqt;     /* format of down */
 } sg_layer;
 
 typedef struct {
@@ -720,7 +757,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         const sg_layer *ly = &a->layers[l];
         rc = sg_linear(&(sg_linear_args){
             .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = nqkv, .K = H, .x = h, .ldx = H,
-            .prologue = PRO_RMSNORM, .norm_w = ly->ln1, .eps = a->eps, .w = ly->qkv, .bias = ly->qkv_bias,
+            .prologue = PRO_RMSNORM, .norm_w = ly->ln1, .eps = a->eps, .w = ly->qkv, .wqt = ly->qkv_wqt, .bias = ly->qkv_bias,
             .y = qkv, .ldy = nqkv});
         if (rc == OK)
             rc = sg_rope(&(sg_rope_args){
@@ -738,16 +775,16 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         if (rc == OK)
             rc = sg_linear(&(sg_linear_args){
                 .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = nq, .x = attn,
-                .ldx = nq, .prologue = PRO_NONE, .w = ly->o, .y = h, .ldy = H, .accumulate = 1});
+                .ldx = nq, .prologue = PRO_NONE, .w = ly->o, .wqt = ly->o_wqt, .y = h, .ldy = H, .accumulate = 1});
         if (rc == OK)
             rc = sg_linear(&(sg_linear_args){
                 .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = 2 * I, .K = H, .x = h,
-                .ldx = H, .prologue = PRO_RMSNORM, .norm_w = ly->ln2, .eps = a->eps, .w = ly->gate_up,
+                .ldx = H, .prologue = PRO_RMSNORM, .norm_w = ly->ln2, .eps = a->eps, .w = ly->gate_up, .wqt = ly->gate_up_wqt,
                 .y = gate_up, .ldy = 2 * I});
         if (rc == OK)
             rc = sg_linear(&(sg_linear_args){
                 .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = I, .x = gate_up,
-                .ldx = 2 * I, .prologue = PRO_SILU_MUL, .w = ly->down, .y = h, .ldy = H, .accumulate = 1});
+                .ldx = 2 * I, .prologue = PRO_SILU_MUL, .w = ly->down, .wqt = ly->down_wqt, .y = h, .ldy = H, .accumulate = 1});
     }
     free(qkv);
     free(attn);

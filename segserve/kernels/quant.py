@@ -1,0 +1,198 @@
+"""PyTorch-facing wrappers of the GGUF block-weight kernels (``csrc/segserve_quant.c``).
+
+:func:`linear` is ``sg_linear`` with a :class:`~segserve.kernels.gguf_blocks.QuantWeight`: the same
+prologues (RMSNorm, SiLU gate) and epilogues (bias, residual add) as ``cpu.linear``, the weight
+dequantized 32 values at a time in registers and never stored. :func:`dequantize` writes rows of a
+quantized weight out in float32 or bfloat16 (the embedding lookup; the weight tiles of large steps).
+Both check what the C code relies on and raise ``ValueError`` naming the bad value.
+
+Switch: ``SEGSERVE_QUANT=0`` turns these kernels off for the process (callers then dequantize with
+``gguf_blocks.dequantize_torch`` and use PyTorch's matmuls); :func:`set_enabled` at run time. They are
+also off whenever the compiled CPU kernels are (``cpu.enabled``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from segserve.kernels import cpu as cpu_kernels
+from segserve.kernels.gguf_blocks import QuantWeight
+from segserve.kernels.switch import Switch
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int32
+_L = ctypes.c_int64
+
+_switch = Switch("SEGSERVE_QUANT")
+
+
+@cpu_kernels._sized
+class _DequantArgs(ctypes.Structure):
+    """``sg_qdequant_args`` (its fields are documented in the C source)."""
+
+    _fields_ = [
+        ("size", _L), ("wqt", _I), ("ydt", _I), ("N", _L), ("K", _L), ("w", _P), ("n", _L), ("rows", _P),
+        ("r0", _L), ("y", _P), ("ldy", _L),
+    ]
+
+
+_ARGS = {"sg_qdequant": _DequantArgs}
+
+
+def _library():
+    lib = cpu_kernels._library()
+    if lib is not None and lib.sg_qdequant.argtypes is None:
+        for name, args in _ARGS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+    return lib
+
+
+def enabled() -> bool:
+    """True when these kernels are switched on and the compiled CPU kernels are on and built."""
+    return _switch.on and cpu_kernels.enabled() and _library() is not None
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch these kernels on or off for this process; returns the previous setting."""
+    return _switch.set(flag)
+
+
+def disabled():
+    """``with disabled():`` runs the PyTorch dequantize-then-matmul path."""
+    return _switch.off()
+
+
+def unavailable_reason() -> str | None:
+    """Why these kernels are off: their switch, or the compiled kernels' reason (None when on)."""
+    if not _switch.on:
+        return _switch.off_reason()
+    return cpu_kernels.unavailable_reason()
+
+
+def _check_weight(w: QuantWeight) -> None:
+    if not isinstance(w, QuantWeight) or w.data.device.type != "cpu":
+        raise ValueError(f"weight must be a QuantWeight on the CPU, got {type(w).__name__}")
+
+
+def linear(
+    x: torch.Tensor,
+    weight: QuantWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: str | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``prologue(x) @ dequantize(weight).T + bias``, streaming the blocks once for all rows.
+
+    Args:
+        x: ``(M, K)`` float32 or bfloat16 (``(M, 2K)`` for ``silu_mul``: gate then up), rows contiguous.
+        weight: ``(N, K)`` blocks; any N, K a multiple of 32 (the format's own rule).
+        bias: ``(N,)`` in x's dtype, or None.
+        prologue, norm_weight, eps, residual: as ``cpu.linear`` (``residual`` ``(M, N)`` in x's dtype,
+            updated in place as ``residual += result``, the product rounded to the dtype first).
+        out_dtype: dtype of a new output (default x's); float32 for logits.
+
+    Numerics: the weights are the exact dequantized values, multiplied with x in float32 (bfloat16
+    x widened exactly) and summed in float32; the result rounded to x's dtype as ``F.linear`` would.
+    Meant for a few rows (decode steps): each tile of weights is dequantized once per 8 rows.
+
+    Returns:
+        ``(M, N)``: ``residual`` when given, else a new tensor.
+
+    Raises:
+        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit).
+    """
+    _check_weight(weight)
+    n, k = weight.shape
+    dt = cpu_kernels._dtype_code(x, "x")
+    if prologue not in cpu_kernels._PROLOGUES:
+        raise ValueError(f"prologue must be 'rmsnorm', 'silu_mul' or None, got {prologue!r}")
+    if norm_weight is not None and prologue != "rmsnorm":
+        raise ValueError("norm_weight is only used with prologue='rmsnorm'")
+    if residual is not None and out_dtype is not None:
+        raise ValueError("out_dtype is for a new output; a residual is updated in its own dtype")
+    cpu_kernels._on_cpu(x=x, norm_weight=norm_weight, bias=bias, residual=residual)
+    width = 2 * k if prologue == "silu_mul" else k
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be (M, {width}) with contiguous rows, got {tuple(x.shape)} strides {x.stride()}"
+        )
+    m = x.shape[0]
+    if prologue == "rmsnorm" and (
+        norm_weight is None or norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
+        or not norm_weight.is_contiguous()
+    ):
+        raise ValueError(f"rmsnorm needs a contiguous ({k},) {x.dtype} norm_weight")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be ({n},) {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None:
+        if residual.shape != (m, n) or not residual.is_contiguous() or residual.dtype != x.dtype:
+            raise ValueError(f"residual must be a contiguous ({m}, {n}) {x.dtype} tensor, got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        if prologue is None and cpu_kernels._overlap(residual, x):
+            raise ValueError("residual must not overlap x (write the product to a new tensor first)")
+        y = residual
+    else:
+        y = torch.empty(m, n, dtype=out_dtype or x.dtype)
+    ydt = cpu_kernels._dtype_code(y, "output")
+    if m == 0:
+        return y
+    args = cpu_kernels._LinearArgs(
+        size=cpu_kernels._LinearArgs.SIZE, dt=dt, ydt=ydt, M=m, N=n, K=k, x=x.data_ptr(), ldx=x.stride(0),
+        prologue=cpu_kernels._PROLOGUES[prologue],
+        norm_w=None if norm_weight is None else norm_weight.data_ptr(), eps=eps, w=weight.data.data_ptr(),
+        bias=None if bias is None else bias.data_ptr(), y=y.data_ptr(), ldy=n,
+        accumulate=residual is not None, wqt=weight.wqt,
+    )
+    cpu_kernels._check(_library().sg_linear(args), "sg_linear")
+    return y
+
+
+def dequantize(
+    weight: QuantWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
+    *, start: int = 0, count: int | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows of ``weight`` as ``(n, K)`` float32 (exact) or bfloat16 (rounded to nearest even).
+
+    Args:
+        weight: the blocks.
+        dtype: float32 or bfloat16.
+        rows: ``(n,)`` int64 row ids (an embedding lookup), or None for ``count`` rows from ``start``
+            (default: all rows).
+        out: ``(n, K)`` contiguous tensor of ``dtype`` to write into, or None (a new one).
+
+    Raises:
+        ValueError: on a row id outside ``[0, N)`` (nothing is written), or a bad dtype or shape.
+    """
+    _check_weight(weight)
+    n_rows, k = weight.shape
+    if rows is not None:
+        cpu_kernels._on_cpu(rows=rows)
+        if rows.dim() != 1 or rows.dtype != torch.int64:
+            raise ValueError(f"rows must be a 1-D int64 tensor, got {tuple(rows.shape)} {rows.dtype}")
+        rows = rows.contiguous()
+        n = rows.shape[0]
+    else:
+        count = n_rows - start if count is None else count
+        if start < 0 or count < 0 or start + count > n_rows:
+            raise ValueError(f"rows [{start}, {start + count}) are outside [0, {n_rows})")
+        n = count
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype)
+    if out.dtype != dtype or out.shape != (n, k) or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous ({n}, {k}) {dtype} CPU tensor, got {tuple(out.shape)}")
+    ydt = cpu_kernels._dtype_code(out, "out")
+    rc = _library().sg_qdequant(_DequantArgs(
+        size=_DequantArgs.SIZE, wqt=weight.wqt, ydt=ydt, N=n_rows, K=k, w=weight.data.data_ptr(), n=n,
+        rows=None if rows is None else rows.data_ptr(), r0=start, y=out.data_ptr(), ldy=k,
+    ))
+    if rc == -3:
+        raise ValueError(f"a row id is outside [0, {n_rows})")
+    cpu_kernels._check(rc, "sg_qdequant")
+    return out

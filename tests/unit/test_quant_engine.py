@@ -1,0 +1,180 @@
+"""GGUF Q8_0 / Q4_0 / Q4_1 weights run in their block form (issue 16) on tiny random checkpoints
+written with the ``gguf`` package: the native engine equals the dequantize-at-load engine
+(``quantization="none"``) token for token in float32, logprobs within 1e-4, through every path a step
+can take (the one-call decode stack, the per-layer small-batch linears at budget 5, the
+dequantize-then-GEMM large steps at budget 64, and the eager path with the quantized kernels off); a
+type without a native kernel is dequantized with one log line; a truncated or mis-typed tensor is named
+in the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
+from model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer, write_tiny_gguf  # noqa: E402
+
+from segserve import LLM, SamplingParams  # noqa: E402
+from segserve.kernels import quant  # noqa: E402
+from segserve.models.loader import load_model  # noqa: E402
+from segserve.models.quant_linear import QuantEmbedding, QuantLinear  # noqa: E402
+
+PROMPTS = [
+    [5, 17, 42, 99, 100, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [3, 4, 5],
+    list(range(30, 70)),
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+QTYPES = ("Q8_0", "Q4_0", "Q4_1")
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """``{qtype: path}`` for each format (untied LM head), plus ``"tied"``: Q4_1 with a tied head
+    (the embedding is the head, as in SmolLM2), ``"hf"``: the float directory."""
+    root = tmp_path_factory.mktemp("quant")
+    tok = train_tiny_tokenizer(300)
+    hf = tiny_hf_model(vocab_size=300, tie=False)
+    out = {}
+    for qtype in QTYPES:
+        out[qtype] = root / f"tiny-{qtype}.gguf"
+        write_tiny_gguf(out[qtype], hf, tok, qtype=qtype)
+    out["tied"] = root / "tiny-tied.gguf"
+    write_tiny_gguf(out["tied"], tiny_hf_model(vocab_size=300, tie=True, seed=1), tok, qtype="Q4_1")
+    save_tiny_hf_dir(root / "hf", hf, tok)
+    out["hf"] = root / "hf"
+    return out
+
+
+def run(path: Path, budget: int = 64, **kwargs) -> list:
+    llm = LLM(model=str(path), num_kv_blocks=64, max_num_batched_tokens=budget, max_model_len=128, **kwargs)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.llm_engine.check_integrity()
+    return outs
+
+
+def assert_same(native: list, dequantized: list) -> None:
+    for a, b in zip(native, dequantized, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert list(la) == list(lb)  # the same top tokens in the same order
+            for tid in la:
+                assert abs(la[tid] - lb[tid]) <= LOGPROB_TOL, (tid, la[tid], lb[tid])
+
+
+@pytest.mark.parametrize("qtype", [*QTYPES, "tied"])
+def test_native_blocks_generate_what_the_dequantized_model_generates(files, qtype):
+    dequantized = run(files[qtype], quantization="none")
+    assert_same(run(files[qtype]), dequantized)  # prompts in one chunk each, decodes in one call
+    assert_same(run(files[qtype], budget=5), dequantized)  # chunks of <= 5 rows: per-layer linears
+    with quant.disabled():  # SEGSERVE_QUANT=0: PyTorch dequantize-then-matmul
+        assert_same(run(files[qtype]), dequantized)
+
+
+def test_the_loader_keeps_blocks_and_no_float_copy(files):
+    loaded = load_model(files["tied"])
+    model = loaded.model
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.qtype == "Q4_1"
+    assert model.quantized_lm_head is not None and model.lm_head is None
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            assert isinstance(m, QuantLinear) and m.qtype == "Q4_1"
+    # Floats left: the norms only (2 per layer + the final one), 64 values each.
+    assert sum(p.numel() for p in model.parameters()) == (2 * 2 + 1) * 64
+    # Blocks: 20 bytes per 32 values of every projection and the embedding (300 x 64).
+    values = 300 * 64 + 2 * (64 * (64 + 32 + 32) + 64 * 64 + 2 * 96 * 64 + 64 * 96)
+    assert sum(b.numel() for b in model.buffers()) == values // 32 * 20
+    dense = load_model(files["tied"], quantization="none").model
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in dense.modules())
+
+
+def test_a_type_without_a_native_kernel_is_dequantized_with_one_note(files, tmp_path, caplog):
+    path = tmp_path / "mixed.gguf"
+    hf = tiny_hf_model(vocab_size=300, tie=False)
+    write_tiny_gguf(path, hf, train_tiny_tokenizer(300), qtype="Q4_1",
+                    types={"blk.0.ffn_down.weight": "Q5_0", "blk.1.ffn_down.weight": "Q5_0"})
+    with caplog.at_level(logging.INFO, logger="segserve"):
+        loaded = load_model(path)
+    notes = [r.getMessage() for r in caplog.records if "no native kernel" in r.getMessage()]
+    assert notes == ["GGUF type Q5_0 has no native kernel: dequantized to float32 (blk.0.ffn_down.weight "
+                     "and 1 more)"]
+    assert not isinstance(loaded.model.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(loaded.model.layers[0].mlp.gate_up_proj, QuantLinear)
+    assert_same(run(path), run(path, quantization="none"))
+
+
+def test_a_truncated_file_names_the_tensor_that_runs_past_its_end(files, tmp_path):
+    from gguf import GGUFReader
+
+    last = GGUFReader(files["Q8_0"]).tensors[-1]
+    end = last.data_offset + last.n_bytes  # the file may pad after it
+    data = files["Q8_0"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: end - 100])  # the last tensor loses its tail
+    assert last.name == "output.weight"
+    message = (r"tensor 'output\.weight' \(300, 64\) of type Q8_0 needs bytes up to "
+               rf"offset {end}, but the file has {end - 100} \(truncated\)")
+    with pytest.raises(ValueError, match=message):
+        load_model(cut)
+
+
+def test_a_weight_of_an_integer_type_is_named(tmp_path):
+    path = tmp_path / "int.gguf"
+    hf = tiny_hf_model(vocab_size=300, tie=False)
+    write_tiny_gguf(path, hf, train_tiny_tokenizer(300), qtype="Q4_0", types={"blk.1.attn_v.weight": "I32"})
+    with pytest.raises(ValueError, match=r"tensor 'blk\.1\.attn_v\.weight' \(32, 64\) has integer type I32"):
+        load_model(path)
+
+
+def test_an_unknown_type_id_is_named(files, tmp_path):
+    """A type id ggml does not have (here 99, patched into the table entry of ``blk.0.attn_q.weight``)."""
+    data = bytearray(files["Q4_1"].read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name)  # then n_dims (u32), dims (u64 each), type (u32), offset (u64)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == 3  # Q4_1
+    data[type_at : type_at + 4] = (99).to_bytes(4, "little")
+    bad = tmp_path / "badtype.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.attn_q\.weight' \(64, 64\) has GGML type id 99"):
+        load_model(bad)
+
+
+def test_quantization_choices_are_checked(files):
+    with pytest.raises(ValueError, match=r"quantization='gguf' needs a \.gguf file"):
+        load_model(files["hf"], quantization="gguf")
+    with pytest.raises(ValueError, match=r"quantization must be one of \[None, 'gguf', 'none'\], got 'int8'"):
+        load_model(files["Q8_0"], quantization="int8")
+    loaded = load_model(files["Q8_0"])
+    with pytest.raises(ValueError, match="has GGUF-quantized layers; quantization='none' cannot change that"):
+        LLM(model=loaded, quantization="none", num_kv_blocks=16, max_model_len=64)
+
+
+def test_bfloat16_native_engine_runs_and_stays_near_float32(files):
+    """bfloat16 rounds differently from float32 (the native few-row kernel keeps the exact weights and
+    multiplies in float32; the dequantized bfloat16 model rounds the weights), so no equality is
+    promised; the first token's logprobs stay within bfloat16's noise (0.1) of float32's."""
+    f32 = run(files["Q4_1"])
+    bf16 = run(files["Q4_1"], dtype="bfloat16")
+    for a, b in zip(f32, bf16, strict=True):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        top = next(iter(first_a))
+        assert top in first_b and abs(first_a[top] - first_b[top]) < 0.1
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_simulators_model_shape_counts_block_weights_as_values(files):
+    """Regression: ``num_params`` counted parameters only, so a model in blocks had just its norms."""
+    from segserve.simulator.profile import model_shape_of
+
+    native, dense = load_model(files["tied"]), load_model(files["tied"], quantization="none")
+    assert model_shape_of(native)["num_params"] == model_shape_of(dense)["num_params"] == 300 * 64 + 2 * (
+        64 * (64 + 32 + 32) + 64 * 64 + 2 * 96 * 64 + 64 * 96) + 5 * 64
