@@ -5,7 +5,7 @@ tensors stored in those formats, so no float copy of the weight is kept (SmolLM2
 blocks instead of 540 MB of float32). Each holds its blocks as a uint8 buffer ``qweight`` ``(N, K / 32 *
 block_bytes)`` (so ``state_dict`` and ``load_state_dict(assign=True)`` carry them) and computes:
 
-- a few rows (at most ``SMALL_ROWS``): the compiled kernel, which dequantizes in registers
+- a few rows (at most ``SMALL_ROWS[dtype]``): the compiled kernel, which dequantizes in registers
   (``segserve.kernels.quant.linear``); ``segserve.worker.cpu_step`` calls it directly with the fused
   prologues and epilogues;
 - more rows (prefill chunks, big batches): the weight dequantized into a transient buffer in the
@@ -30,8 +30,11 @@ from segserve.kernels import quant
 from segserve.kernels.gguf_blocks import QuantWeight, dequantize_torch, row_bytes
 
 # Rows up to which the register-dequantizing kernel runs (it dequantizes each weight tile once per 8
-# rows); above, dequantize-then-GEMM.
-SMALL_ROWS = 8
+# rows); above, dequantize-then-GEMM. Measured on a Q4_1 (3072, 576) weight, 2 threads, load 0.4 (AMX
+# Xeon, benchmarks/bench_quant_rows.py): float32 kernel vs dequantize+GEMM 0.60 vs 1.70 ms at 16
+# rows, 2.28 vs 2.69 at 64, 4.50 vs 3.76 at 128; bfloat16 0.52 vs 0.59 at 12, 0.64 vs 0.59 at 16
+# (oneDNN's bf16 GEMM runs on AMX there).
+SMALL_ROWS = {torch.float32: 64, torch.bfloat16: 12}
 # Most bytes of dequantized weight one large-step call holds at once (the LM head of a 49k vocabulary
 # would be 113 MB in float32).
 TILE_BYTES = 8 << 20
@@ -51,7 +54,7 @@ def quantized_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None 
     """``x @ dequantize(w).T + bias`` for ``x`` ``(M, K)`` float32/bfloat16 -> ``(M, N)`` in ``out_dtype``
     (default x's); the path by row count as the module docstring says."""
     m, (n, k) = x.shape[0], w.shape
-    if m <= SMALL_ROWS and quant.enabled() and x.device.type == "cpu":
+    if m <= SMALL_ROWS.get(x.dtype, 8) and quant.enabled() and x.device.type == "cpu":
         return quant.linear(x.contiguous(), w, bias, out_dtype=out_dtype)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)
     step = max(1, TILE_BYTES // (k * x.element_size()))

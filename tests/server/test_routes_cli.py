@@ -136,7 +136,9 @@ def test_llm_accepts_vllm_cpu_no_ops_and_refuses_the_rest(tiny_loaded, caplog):
     assert len(out[0].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
         LLM(tiny_loaded, tensor_parallel_size=2)
-    with pytest.raises(TypeError, match="unsupported keyword 'quantization'"):
+    with pytest.raises(TypeError, match="unsupported keyword 'speculative_config'"):
+        LLM(tiny_loaded, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match=r"quantization must be one of \[None, 'gguf', 'none'\], got 'awq'"):
         LLM(tiny_loaded, quantization="awq")
 
 
