@@ -162,7 +162,9 @@ def test_giant_prompts_under_a_raised_body_limit_are_refused_without_ratcheting_
         if i == 1:  # both routes have allocated their buffers once
             warm = proc.memory_info().rss
     ratchet = proc.memory_info().rss - warm
-    assert ratchet < 32 * 2**20, f"resident memory grew {ratchet / 2**20:.0f} MiB over 8 more refusals"
+    # Issue 17's bound (100 MB): the defect grew 1.2-2.7 GB per request. This is the whole pytest
+    # process, so allocator arenas of earlier tests move it by tens of MiB (57 MiB seen in a full run).
+    assert ratchet < 100 * 2**20, f"resident memory grew {ratchet / 2**20:.0f} MiB over 8 more refusals"
     _good(handle.base_url)
 
 
