@@ -144,6 +144,32 @@ def test_rope_in_place_is_bitwise_the_eager_rotation(dtype: torch.dtype) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 48, 96, 128])  # 48: not a multiple of 32, the scalar loop
+def test_rope_many_rows_bitwise_with_subnormals_and_extremes(dtype: torch.dtype, head_dim: int) -> None:
+    """The vector loop (head dims a multiple of 32), over enough rows for the threaded loop, equals the
+    eager rotation bit for bit, subnormal and huge inputs included (vcvtneps2bf16 would flush the
+    former)."""
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      max_position_embeddings=8192)
+    cos, sin = rope_table(cfg)
+    t = 37
+    pos = torch.randint(0, 8192, (t,), generator=torch.Generator().manual_seed(3))
+    qkv = torch.randn(t, 8 * head_dim, generator=torch.Generator().manual_seed(8))
+    qkv[0, :head_dim] = 1e-39  # float32 subnormals, which bfloat16 keeps too
+    qkv[1, :head_dim] = -3e38
+    qkv[2, : 2 * head_dim] *= 1e-36  # products land among the subnormals
+    qkv = qkv.to(dtype)
+    ref = apply_rope(qkv.view(t, 8, head_dim)[:, :6], cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype))
+    x = qkv.clone()
+    cpu_kernels.rope_(x, 6, head_dim, cos[pos], sin[pos])
+    got = x.view(t, 8, head_dim)[:, :6]
+    assert torch.equal(got, ref)
+    assert (got[2] != 0).any() and (got[2].abs() < 1.2e-38).any()  # subnormal results survived
+    assert torch.equal(x.view(t, 8, head_dim)[:, 6:], qkv.view(t, 8, head_dim)[:, 6:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_the_eager_index_copy(dtype: torch.dtype) -> None:
     case = make_case([5, 1, 3], [0, 17, 40], block_size=16, seg=512, pad=2, seed=8, dtype=dtype)
     compiled, eager = case.cache.clone(), case.cache.clone()

@@ -372,9 +372,44 @@ typedef struct {
     const float *ssin;  /* (T, D) float32 contiguous, sin with its first half negated */
 } sg_rope_args;
 
+/* Sixteen float32 lanes rounded to bfloat16 exactly as f32_to_bf16 rounds (nearest even, NaN kept
+ * quiet, subnormals kept), and widened back. Not vcvtneps2bf16: that flushes subnormals, and RoPE must
+ * equal the eager rotation bit for bit. */
+static inline __m512 round16_exact(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline __m512 round16x(__m512 v, int dt) { return dt == DT_F32 ? v : round16_exact(v); }
+
+/* One row's heads [0, H) rotated with AVX-512, for D a multiple of 32 (each half a whole number of
+ * 16-lane vectors): the scalar loop's operations in the same order, so the same bits. c and s hold the
+ * row's tables already rounded to dt. */
+static void rope_row16(void *x, int64_t base0, int64_t H, int64_t D, const float *c, const float *s, int dt) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t base = base0 + h * D;
+        for (int64_t d = 0; d < half; d += 16) {
+            __m512 lo = load16(x, base + d, dt), hi = load16(x, base + half + d, dt);
+            __m512 a_lo = round16x(_mm512_mul_ps(lo, _mm512_loadu_ps(c + d)), dt);
+            __m512 b_lo = round16x(_mm512_mul_ps(hi, _mm512_loadu_ps(s + d)), dt);
+            __m512 a_hi = round16x(_mm512_mul_ps(hi, _mm512_loadu_ps(c + half + d)), dt);
+            __m512 b_hi = round16x(_mm512_mul_ps(lo, _mm512_loadu_ps(s + half + d)), dt);
+            store16(x, base + d, round16x(_mm512_add_ps(a_lo, b_lo), dt), dt);
+            store16(x, base + half + d, round16x(_mm512_add_ps(a_hi, b_hi), dt), dt);
+        }
+    }
+}
+
 /* Rotate heads [0, H) of each row of x in place: x*cos + roll(x, D/2)*ssin with the tables rounded
  * to dt first, each product and the sum rounded to dt (the eager ``apply_rope`` on dt tensors, bit
- * for bit). Returns OK, ERR_LAYOUT or ERR_SHAPE. */
+ * for bit). Head dims that are a multiple of 32 take the vector loop (a scalar loop with a modulo per
+ * element cost ~50 ms per layer of a 4,096-token bfloat16 chunk, 11 % of its prefill); others the
+ * scalar one. Returns OK, ERR_LAYOUT or ERR_SHAPE. */
 int sg_rope(const sg_rope_args *a) {
     if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
     const int dt = a->dt;
@@ -385,6 +420,14 @@ int sg_rope(const sg_rope_args *a) {
 #pragma omp parallel for schedule(static) if (T * H >= 256)
     for (int64_t t = 0; t < T; t++) {
         float tmp[1024], c[1024], s[1024];
+        if (D % 32 == 0) {
+            for (int64_t d = 0; d < D; d += 16) {
+                _mm512_storeu_ps(c + d, round16x(_mm512_loadu_ps(cos + t * D + d), dt));
+                _mm512_storeu_ps(s + d, round16x(_mm512_loadu_ps(ssin + t * D + d), dt));
+            }
+            rope_row16(x, t * row_stride, H, D, c, s, dt);
+            continue;
+        }
         for (int64_t d = 0; d < D; d++) {
             c[d] = round_dt(cos[t * D + d], dt);
             s[d] = round_dt(ssin[t * D + d], dt);
