@@ -150,7 +150,8 @@ def report(t: Timers, walls: list[float], prompt_len: int, peak: float) -> dict:
         print(f"  {name:28s} {sec / repeats * 1000:8.1f} ms  {share:6.1%}{extra}")
     if gemm:
         gf = sum(v for k, v in t.flops.items() if k.startswith("gemm")) / gemm / 1e9
-        print(f"  all GEMMs: {gemm / (wall * repeats):.1%} of wall, {gf:.0f} GFLOP/s = {gf / peak:.0%} of peak")
+        share = gemm / (wall * repeats)
+        print(f"  all GEMMs: {share:.1%} of wall, {gf:.0f} GFLOP/s = {gf / peak:.0%} of peak")
         rows["_all_gemms"] = {"share": gemm / (wall * repeats), "gflops": gf}
     waste = 1 - prompt_len * repeats / t.padded_rows if t.padded_rows else 0.0
     print(f"  padding waste: {waste:.1%} of chunk rows")

@@ -160,7 +160,8 @@ def test_rope_many_rows_bitwise_with_subnormals_and_extremes(dtype: torch.dtype,
     qkv[1, :head_dim] = -3e38
     qkv[2, : 2 * head_dim] *= 1e-36  # products land among the subnormals
     qkv = qkv.to(dtype)
-    ref = apply_rope(qkv.view(t, 8, head_dim)[:, :6], cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype))
+    c, s = cos[pos][:, None].to(dtype), sin[pos][:, None].to(dtype)
+    ref = apply_rope(qkv.view(t, 8, head_dim)[:, :6], c, s)
     x = qkv.clone()
     cpu_kernels.rope_(x, 6, head_dim, cos[pos], sin[pos])
     got = x.view(t, 8, head_dim)[:, :6]
