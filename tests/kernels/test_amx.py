@@ -77,6 +77,35 @@ def test_bias_and_strided_rows() -> None:
     assert ((got.float() - ref).abs() <= _bf16_ulp(ref) + _summation_bound(x, w)).all()
 
 
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "residual", "silu_mul", "float32"])
+@pytest.mark.parametrize("n, k", [(960, 576), (3072, 576), (576, 1536), (96, 64)])
+def test_every_row_equals_the_same_row_computed_alone(epilogue: str, n: int, k: int) -> None:
+    """Each output row is the same whatever rows share the call: the stores of one microkernel are
+    deferred into the next one's K loop (and across panels, cache chunks and the last, overlapping
+    row tile), so a store dropped, doubled or sent to the wrong row would show here bitwise. Each
+    row's products are summed in the same K order in any tiling, hence exact equality."""
+    m = 2050  # 128 row tiles + an overlapping last one; 2050 = 1 + 17 + 2032 splits below
+    x, w = _inputs(m, n, k, seed=6)
+    w = w * 20 if epilogue == "silu_mul" else w
+    packed = amx.pack(w)
+    bias = torch.randn(n).bfloat16() if epilogue == "bias" else None
+    h = torch.randn(m, n).bfloat16()
+
+    def run(rows: slice) -> torch.Tensor:
+        if epilogue == "residual":
+            return amx.linear(x[rows], packed, n, k, residual=h[rows].clone())
+        return amx.linear(x[rows], packed, n, k, bias, silu_mul=epilogue == "silu_mul",
+                          out_dtype=torch.float32 if epilogue == "float32" else torch.bfloat16)
+
+    whole = run(slice(0, m))
+    parts = torch.cat([run(slice(0, 1)), run(slice(1, 18)), run(slice(18, m))])
+    assert torch.equal(whole, parts)
+    assert torch.equal(whole[5:6], run(slice(5, 6)))
+    if epilogue == "residual":  # and it did add to h's rows
+        plain = amx.linear(x, packed, n, k)
+        assert torch.equal(whole, h.clone().add_(plain))
+
+
 @pytest.mark.parametrize("m", [3, 16, 45, 300])
 def test_residual_epilogue_is_the_eager_add_of_the_plain_output(m: int) -> None:
     n, k = 576, 576
