@@ -141,6 +141,16 @@ def test_pack_is_the_documented_tile_layout() -> None:
     assert packed[nb, ks, r, 2 * c + 1] == w[nb * 16 + c, ks * 32 + 2 * r + 1]
 
 
+@pytest.mark.parametrize("n, k, pad", [(32, 64, 0), (960, 576, 0), (48, 96, 40), (3072, 576, 0)])
+def test_pack_equals_the_layout_everywhere(n: int, k: int, pad: int) -> None:
+    """Every value of the vectorised pack (a 32-bit 16 x 16 transpose per tile) against the layout
+    written as a torch permutation, row-strided weights included (``pad`` extra columns)."""
+    wide = torch.randn(n, k + pad, generator=torch.Generator().manual_seed(9)).bfloat16()
+    w = wide[:, :k]
+    want = w.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+    assert torch.equal(amx.pack(w), want)
+
+
 @pytest.mark.parametrize("shape", [(40, 576), (576, 48), (0, 64)])
 def test_pack_refuses_shapes_it_cannot_tile(shape) -> None:
     with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 32 == 0"):

@@ -127,23 +127,49 @@ typedef struct {
     uint16_t *packed;   /* N * K bfloat16 values: the tile layout (file comment) */
 } sg_amx_pack_args;
 
-/* Pure data movement (no AMX instruction), so it runs on any CPU. Returns OK, ERR_LAYOUT or ERR_SHAPE. */
+/* Transpose a 16 x 16 matrix of 32-bit lanes in place (r[i] is row i): a packed tile is the 16 x 16
+ * transpose of a (16 columns x 32 K values) block read as 32-bit K pairs. */
+static inline void transpose16x32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* Pure data movement (no AMX instruction), so it runs on any CPU with AVX-512: each tile is 16 row
+ * loads, a 32-bit transpose and 16 stores (a weight dequantized per large step, a GGUF one, is packed
+ * on every call, so this is on the step's path). Returns OK, ERR_LAYOUT or ERR_SHAPE. */
 int sg_amx_pack(const sg_amx_pack_args *a) {
     if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
     const int64_t N = a->N, K = a->K, ldw = a->ldw, KS = K / 32;
     const uint16_t *w = a->w;
     uint16_t *packed = a->packed;
     if (N < 16 || K < 32 || N % 16 || K % 32 || ldw < K) return AMX_ERR_SHAPE;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
     for (int64_t nb = 0; nb < N / 16; nb++)
         for (int64_t ks = 0; ks < KS; ks++) {
+            __m512i r[16];
+            for (int c = 0; c < 16; c++) r[c] = _mm512_loadu_si512(w + (nb * 16 + c) * ldw + ks * 32);
+            transpose16x32(r); /* r[k pair] = that pair of each of the 16 columns */
             uint16_t *t = packed + (nb * KS + ks) * TILE_ELEMS;
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16; c++) {
-                    const uint16_t *src = w + (nb * 16 + c) * ldw + ks * 32 + 2 * r;
-                    t[r * 32 + 2 * c] = src[0];
-                    t[r * 32 + 2 * c + 1] = src[1];
-                }
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(t + 32 * i, r[i]);
         }
     return AMX_OK;
 }
