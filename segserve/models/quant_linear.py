@@ -49,6 +49,12 @@ def _dequantize(
     return dequantize_torch(w, dtype, torch.arange(start, start + count))
 
 
+def dequantize_weight(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole ``(N, K)`` weight of ``w`` in ``dtype``, as the large-step path dequantizes it (exact in
+    float32, rounded to bfloat16 as the dequantize-at-load model rounds it)."""
+    return _dequantize(w, dtype)
+
+
 def quantized_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ dequantize(w).T + bias`` for ``x`` ``(M, K)`` float32/bfloat16 -> ``(M, N)`` in ``out_dtype``

@@ -13,7 +13,9 @@ are switched on and every projection has a shape they take:
   place (:func:`forward_chunk`; the eager ops they replace were ~15 % of a 512-token bfloat16 step).
   bfloat16 steps of at least ``AMX_MIN_ROWS`` rows on a CPU with AMX (``segserve.kernels.amx``) run the
   projections as AMX GEMMs instead, on the tile-packed weights :meth:`CpuStep.prepack` made, with the
-  SiLU gate fused into the gate/up GEMM's stores.
+  SiLU gate fused into the gate/up GEMM's stores. GGUF-block projections (``QuantLinear``) of such a
+  step are dequantized to bfloat16 and packed per call, then run on the same AMX GEMM
+  (:func:`quant_on_amx`), instead of oneDNN on the dequantized weight.
 
 Otherwise (kernels off or unbuilt, another dtype or device, a weight shape they do not take) the model's
 own forward. The LM head alike: the compiled linear for a few rows, else the oneDNN-packed copy
@@ -31,7 +33,8 @@ from segserve.kernels import cpu as cpu_kernels
 from segserve.kernels.gguf_blocks import QuantWeight
 from segserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
-from segserve.models.quant_linear import QuantLinear, quantized_matmul
+from segserve.models.quant_linear import SMALL_ROWS as QUANT_SMALL_ROWS
+from segserve.models.quant_linear import QuantLinear, dequantize_weight, quantized_matmul
 
 # rope_'s own limit, checked once per dtype here rather than failing inside a step.
 _MAX_ROPE_HEAD_DIM = 1024
@@ -280,19 +283,36 @@ def forward_chunk(
         out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
         ln2 = layer.post_attention_layernorm
         cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, add=_project(attn.o_proj, out, packed[1]), out=x)
-        if packed[2] is None:
-            act = cpu_kernels.silu_mul(mlp.gate_up_proj(x))  # (T, I)
-        else:
-            act = amx.linear(x, packed[2], 2 * mlp.intermediate_size, x.shape[1], silu_mul=True)
+        act = _project(mlp.gate_up_proj, x, packed[2], silu_mul=True)  # (T, I)
         branch = _project(mlp.down_proj, act, packed[3])  # (T, H)
     return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=branch)
 
 
-def _project(linear: PackedLinear, x: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """``linear(x)``, on AMX tiles when ``packed`` (its weight in ``amx.pack``'s layout) is given."""
+def _project(linear: PackedLinear | QuantLinear, x: torch.Tensor, packed: torch.Tensor | None,
+             silu_mul: bool = False) -> torch.Tensor:
+    """``linear(x)`` (``silu_mul``: the SiLU gate of that fused gate|up output), on AMX tiles when
+    ``packed`` (its weight in ``amx.pack``'s layout) is given or when :func:`quant_on_amx` says a GGUF
+    weight's step goes there (dequantized to bfloat16 and packed for this call)."""
+    if packed is None and quant_on_amx(linear, x) and not (silu_mul and linear.out_features % 32):
+        packed = amx.pack(dequantize_weight(linear.quant_weight, torch.bfloat16))
     if packed is None:
-        return linear(x)
-    return amx.linear(x, packed, linear.out_features, linear.in_features, linear.bias)
+        return cpu_kernels.silu_mul(linear(x)) if silu_mul else linear(x)
+    return amx.linear(x, packed, linear.out_features, linear.in_features, linear.bias, silu_mul=silu_mul)
+
+
+def quant_on_amx(linear: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether a GGUF-block projection of a bfloat16 step of ``x`` ``(M, K)`` runs as dequantize, pack
+    and AMX GEMM: the rows where ``QuantLinear`` itself would dequantize and call oneDNN (above
+    ``quant_linear.SMALL_ROWS``), AMX available, and a weight (and bfloat16 bias) the kernel tiles. The
+    dequantization is the one that path does; packing adds one pass over the (at most 3.5 MB here)
+    bfloat16 weight per call, against a GEMM of at least 13 rows that then runs at the AMX kernel's
+    rate with the SiLU gate fused (oneDNN reorders the plain weight on every call as well)."""
+    return (
+        isinstance(linear, QuantLinear) and x.dtype == torch.bfloat16
+        and x.shape[0] > QUANT_SMALL_ROWS[torch.bfloat16] and linear.out_features % 16 == 0
+        and linear.in_features % 32 == 0 and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
+        and amx.available()
+    )
 
 
 def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]] | None:

@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 from model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer, write_tiny_gguf  # noqa: E402
 
 from segserve import LLM, SamplingParams  # noqa: E402
-from segserve.kernels import quant  # noqa: E402
+from segserve.kernels import amx, quant  # noqa: E402
 from segserve.models.loader import load_model  # noqa: E402
 from segserve.models.quant_linear import QuantEmbedding, QuantLinear  # noqa: E402
+from segserve.worker import cpu_step  # noqa: E402
 
 PROMPTS = [
     [5, 17, 42, 99, 100, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
@@ -178,3 +179,37 @@ def test_the_simulators_model_shape_counts_block_weights_as_values(files):
     native, dense = load_model(files["tied"]), load_model(files["tied"], quantization="none")
     assert model_shape_of(native)["num_params"] == model_shape_of(dense)["num_params"] == 300 * 64 + 2 * (
         64 * (64 + 32 + 32) + 64 * 64 + 2 * 96 * 64 + 64 * 96) + 5 * 64
+
+
+@pytest.mark.skipif(not amx.available(), reason=f"AMX GEMM unavailable: {amx.unavailable_reason()}")
+def test_bfloat16_gguf_chunks_run_on_the_amx_gemm_near_the_onednn_path(files, monkeypatch):
+    """A bfloat16 GGUF step above quant_linear.SMALL_ROWS rows runs its projections as dequantize,
+    pack, AMX GEMM (SiLU gate fused); its hidden states stay within bfloat16's rounding of the
+    dequantize-then-oneDNN path (same weights, same rounding points, another summation order), and
+    the engine's greedy tokens on it match that path's."""
+    loaded = load_model(str(files["Q4_1"]), dtype=torch.bfloat16)
+    model = loaded.model
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    calls, real = [], amx.linear
+    monkeypatch.setattr(amx, "linear", lambda *a, **k: calls.append(bool(k.get("silu_mul"))) or real(*a, **k))
+    layer = model.layers[0]
+    gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+    assert isinstance(gate_up, QuantLinear) and cpu_step.quant_on_amx(gate_up, x)
+    assert not cpu_step.quant_on_amx(gate_up, x[:12])  # the few-row kernel's rows stay its own
+    got = cpu_step._project(gate_up, x, None, silu_mul=True)  # (40, I)
+    assert calls == [True]
+    ref_gu = gate_up(x)
+    ref = torch.nn.functional.silu(ref_gu[:, :96]).mul_(ref_gu[:, 96:])
+    tol = 2.0 ** -7 * ref.float().abs() + 1e-2 * ref.float().abs().max()
+    assert ((got.float() - ref.float()).abs() <= tol).all()
+    out = cpu_step._project(down, got, None)
+    assert calls == [True, False]
+    ref_down = down(got)
+    assert ((out.float() - ref_down.float()).abs() <= 2.0 ** -7 * ref_down.float().abs()
+            + 1e-2 * ref_down.float().abs().max()).all()
+    monkeypatch.undo()
+    on = run(files["Q4_1"], dtype="bfloat16")
+    with amx.disabled():
+        off = run(files["Q4_1"], dtype="bfloat16")
+    for a, b in zip(on, off, strict=True):
+        assert a.outputs[0].token_ids[:3] == b.outputs[0].token_ids[:3]
