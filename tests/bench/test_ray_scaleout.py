@@ -21,7 +21,7 @@ def test_default_workload_is_the_issues():
     groups = [r.hash_ids[0] // 1000 for r in reqs]
     assert sorted(groups) == sorted(list(range(8)) * 5) and groups != sorted(groups)  # random order
     assert len({r.hash_ids[1] for r in reqs}) == 40  # each suffix its own
-    assert all(a.arrival < b.arrival for a, b in zip(reqs, reqs[1:]))
+    assert all(a.arrival < b.arrival for a, b in zip(reqs, reqs[1:], strict=False))
 
 
 @pytest.mark.parametrize("kv_blocks, message", [
