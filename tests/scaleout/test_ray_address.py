@@ -49,7 +49,7 @@ def _pids_of(temp_dir: str, address: str) -> list[int]:
 
 
 def _stop_cluster(pids: list[int]) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
         for pid in _alive(pids):
             try:
                 os.kill(pid, sig)
@@ -61,8 +61,9 @@ def _stop_cluster(pids: list[int]) -> None:
 
 
 def _cluster_state(address: str, env: dict) -> dict:
-    """What a fresh driver sees on the cluster: Serve's applications and the named actors."""
-    code = (f"import json, ray; ray.init(address={address!r}, log_to_driver=False); from ray import serve; "
+    """What a fresh driver (joined as segserve joins) sees: Serve's applications and the named actors."""
+    code = ("import json, ray; from segserve.entrypoints.ray_serve.join import join; "
+            f"join({address!r}); from ray import serve; "
             "names = sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)); "
             "print('STATE', json.dumps({'apps': sorted(serve.status().applications), 'actors': names}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -105,9 +106,7 @@ def _serve_cmd(tiny_dir: str, address: str) -> list[str]:
 
     return [sys.executable, "-m", "segserve.entrypoints.cli", "serve", "--model", tiny_dir, "--port", "0",
             "--served-model-name", SERVED, "--num-replicas", "2", "--replica-cpus", "1",
-            "--ray-address", address, "--max-num-batched-tokens", str(TINY_ENGINE["max_num_batched_tokens"]),
-            "--max-model-len", str(TINY_ENGINE["max_model_len"]),
-            "--num-kv-blocks", str(TINY_ENGINE["num_kv_blocks"])]
+            "--ray-address", address, *(f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE.items())]
 
 
 def _read_until(proc: subprocess.Popen, text: str, lines: list[str], timeout_s: float) -> None:
