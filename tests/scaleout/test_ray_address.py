@@ -1,6 +1,8 @@
 """``segserve serve --ray-address``: replicas on a cluster someone else started (``ray start --head``
-on loopback, in a temp dir), answering the ``openai`` client; on SIGTERM segserve removes its app and
-its metrics board and leaves the cluster running. The cluster is stopped by the ids of its processes
+on loopback, with Ray token authentication, in a temp dir), answering the ``openai`` client; on SIGTERM
+segserve removes its app, its metrics board and the Serve it started, and leaves the cluster running.
+Refused in one line naming the flag: joining without ``RAY_AUTH_MODE=token``, a second ingress on the
+same cluster, a port that is no Ray cluster. The cluster is stopped by the ids of its processes
 (``ray stop`` would stop every Ray process of this user on the machine)."""
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _pids_of(temp_dir: str, address: str) -> list[int]:
 
 
 def _stop_cluster(pids: list[int]) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+    for sig, wait_s in ((signal.SIGTERM, 2), (signal.SIGKILL, 5)):
         for pid in _alive(pids):
             try:
                 os.kill(pid, sig)
@@ -151,7 +153,10 @@ def test_serve_joins_an_external_cluster_and_leaves_it_running(tiny_dir, externa
 
     address, env, cluster_pids = external_cluster
     assert len(cluster_pids) >= 2 and all(_loopback(a) for a in _listening_addresses(cluster_pids))
-    before = _cluster_state(address, env)
+    # Alongside (to share the wait): the same start-up without RAY_AUTH_MODE=token is refused.
+    bare = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    no_token = subprocess.Popen(_serve_cmd(tiny_dir, address), env=bare, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(_serve_cmd(tiny_dir, address), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -173,6 +178,11 @@ def test_serve_joins_an_external_cluster_and_leaves_it_running(tiny_dir, externa
         want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                             use_tqdm=False)
         assert text == want[0].outputs[0].text
+        _, err = no_token.communicate(timeout=60)
+        assert no_token.returncode == 2 and err.strip().splitlines()[-1] == (
+            f"error: --ray-address {address}: the cluster uses Ray token authentication and refused this "
+            "process: set RAY_AUTH_MODE=token and give the cluster's token (RAY_AUTH_TOKEN, "
+            "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"), err
         during = _cluster_state(address, env)
         # A second ingress on the same cluster would replace this one's replicas: refused.
         second = _fails_in_one_line(_serve_cmd(tiny_dir, address), env)
@@ -182,23 +192,14 @@ def test_serve_joins_an_external_cluster_and_leaves_it_running(tiny_dir, externa
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "\n".join(lines) + proc.stdout.read()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, no_token):
+            if p.poll() is None:
+                p.kill()
     assert "segserve" in during["apps"] and "segserve-metrics-board" in during["actors"]
     assert len([a for a in during["actors"] if a.startswith("SERVE_REPLICA::segserve#")]) == 2
     assert _alive(cluster_pids) == cluster_pids  # the cluster runs on
-    assert _cluster_state(address, env) == before  # no app, no board, no replica, no Serve left behind
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_joining_without_the_token_mode_fails_in_one_line(tiny_dir, external_cluster):
-    address, env, _ = external_cluster
-    bare = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
-    line = _fails_in_one_line(_serve_cmd(tiny_dir, address), bare)
-    assert line == (f"error: --ray-address {address}: the cluster uses Ray token authentication and refused "
-                    "this process: set RAY_AUTH_MODE=token and give the cluster's token (RAY_AUTH_TOKEN, "
-                    "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)")
+    # As found (a fresh cluster): no app, no board, no replica, no Serve controller left behind.
+    assert _cluster_state(address, env) == {"apps": [], "actors": []}
 
 
 @pytest.mark.ray
