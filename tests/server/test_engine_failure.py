@@ -59,20 +59,20 @@ def test_internal_error_is_a_generic_500_with_an_id_in_the_log(tiny_server, capl
     logged = [rec for rec in caplog.records if error_id in rec.getMessage()]
     assert logged and "secret internal detail" in str(logged[0].exc_info[1])
 
-    import segserve.entrypoints.openai.serving as serving_mod
+    import segserve.entrypoints.openai.serving_completion as completion_mod
 
-    original_delta = serving_mod._Sent.completion_delta
+    original_delta = completion_mod.completion_delta
 
-    def broken_delta(self, *args):
+    def broken_delta(*args):
         raise KeyError("secret stream detail")
 
-    serving_mod._Sent.completion_delta = broken_delta
+    completion_mod.completion_delta = broken_delta
     try:
         body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 4, "stream": True}
         with httpx.stream("POST", f"{handle.base_url}/v1/completions", json=body) as s:
             events = sse_events(list(s.iter_lines()))
     finally:
-        serving_mod._Sent.completion_delta = original_delta
+        completion_mod.completion_delta = original_delta
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
     assert "secret" not in str(events)
     handle.assert_idle_and_clean()

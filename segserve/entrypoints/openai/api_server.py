@@ -29,6 +29,8 @@ from segserve.entrypoints.openai.errors import ApiError, internal_error
 from segserve.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, quote
 from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
 from segserve.entrypoints.openai.serving import OpenAIServing
+from segserve.entrypoints.openai.serving_chat import create_chat_completion
+from segserve.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger("segserve")
 
@@ -150,12 +152,12 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
 
     @app.post("/v1/completions", response_model=None, responses=openapi.generation(p.CompletionResponse))
     async def completions(body: p.CompletionRequest, raw: Request) -> Any:
-        return await serving.completions(body, raw)
+        return await create_completion(serving, body, raw)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=openapi.generation(p.ChatCompletionResponse, p.ChatCompletionChunk))
     async def chat(body: p.ChatCompletionRequest, raw: Request) -> Any:
-        return await serving.chat(body, raw)
+        return await create_chat_completion(serving, body, raw)
 
     openapi.install(app)
     return app

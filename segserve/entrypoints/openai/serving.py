@@ -1,5 +1,6 @@
-"""Route logic of the OpenAI-compatible server: validate, build sampling parameters, add the request to
-the ``AsyncLLMEngine``, and turn its outputs into JSON or server-sent events.
+"""What the OpenAI-compatible routes share: validate, build sampling parameters, add the request to
+the ``AsyncLLMEngine``, and end its output stream. The routes themselves: ``serving_completion``
+(``/v1/completions``) and ``serving_chat`` (``/v1/chat/completions``), as in vLLM.
 
 Streaming follows OpenAI's wire format: ``data: {chunk}\\n\\n`` per event, deltas of the text, a
 final chunk with ``finish_reason``, an optional usage chunk (``stream_options.include_usage``) with
@@ -12,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from segserve.engine.async_engine import (
     AsyncLLMEngine,
@@ -26,24 +26,13 @@ from segserve.engine.async_engine import (
 )
 from segserve.entrypoints.openai import protocol as p
 from segserve.entrypoints.openai.errors import ApiError, bad_request, engine_error, internal_error
-from segserve.entrypoints.openai.fields import (
-    REFUSED_CHAT,
-    REFUSED_COMPLETION,
-    REFUSED_MESSAGE,
-    unhonoured_field,
-)
+from segserve.entrypoints.openai.fields import REFUSED_MESSAGE, unhonoured_field
 from segserve.entrypoints.openai.limits import max_prompt_chars, printable
-from segserve.entrypoints.openai.logprobs_format import CompletionLogprobsBuilder, chat_logprobs
+from segserve.entrypoints.openai.logprobs_format import CompletionLogprobsBuilder
 from segserve.entrypoints.openai.structured import FieldError, structured_outputs_of
-from segserve.entrypoints.openai.tool_calls import (
-    ToolPlan,
-    ToolStream,
-    message_dicts,
-    parse_tool_calls,
-    plan_tools,
-)
+from segserve.entrypoints.openai.tool_calls import ToolPlan, message_dicts
 from segserve.outputs import RequestOutput
-from segserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from segserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("segserve")
 
@@ -54,7 +43,7 @@ _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "mi
                 "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 
 
-def _short(exc: Exception) -> str:
+def short_error(exc: Exception) -> str:
     """An engine ``ValueError`` as a client message: its values can be a client's giant ``stop`` list."""
     return printable(str(exc), 200)
 
@@ -86,7 +75,7 @@ def sampling_params(req: p.SamplingFields, max_tokens: int | None, logprobs: int
                               prompt_logprobs=prompt_logprobs, structured_outputs=constraint,
                               **req.logits_kwargs(), **optional)
     except ValueError as exc:
-        raise bad_request(_short(exc), _param_of(str(exc))) from None
+        raise bad_request(short_error(exc), _param_of(str(exc))) from None
 
 
 def check_fields(req: p.BaseModel, refused: dict[str, str]) -> None:
@@ -145,54 +134,25 @@ async def until_disconnected(streams: list[OutputStream], request: Request
                 task.cancel()
 
 
-def _sse(model: p.BaseModel | dict) -> str:
+def sse(model: p.BaseModel | dict) -> str:
     body = model if isinstance(model, p.BaseModel) else p.ErrorResponse(**model)
     body = body.model_dump_json()
     return f"data: {body}\n\n"
 
 
-@dataclass
-class _Prompt:
-    """One prompt of a request: its text (decoded when token ids were sent) and token ids."""
-
-    text: str
-    ids: list[int]
 
 
-def _usage(outs: list[RequestOutput], generated: bool = True) -> p.UsageInfo:
+def usage_of(outs: list[RequestOutput], generated: bool = True) -> p.UsageInfo:
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs) if generated else 0
     return p.usage_info(sum(len(o.prompt_token_ids) for o in outs), completion,
                         sum(o.num_cached_tokens for o in outs))
 
 
-@dataclass
-class _CompletionShape:
-    """What a completions request asks its choices to hold (``echo``, ``logprobs``, ``max_tokens: 0``)."""
-
-    echo: bool
-    logprobs: int | None
-    echo_only: bool  # echo with max_tokens 0: the prompt alone; the one token generated is dropped
-    n: int
-
-    def index(self, prompt_index: int, completion_index: int) -> int:
-        """OpenAI's choice order: prompt by prompt, then completion."""
-        return prompt_index * self.n + completion_index
-
-    def tokens(self, out: RequestOutput, c) -> tuple[list[int], list[dict[int, float] | None]]:
-        """A choice's token ids and logprob positions (the prompt's first under echo)."""
-        ids, pos = [], []
-        if self.echo:
-            ids += out.prompt_token_ids
-            known = list(out.prompt_logprobs or [])
-            pos += known + [None] * (len(out.prompt_token_ids) - len(known))
-        if not self.echo_only:
-            ids += c.token_ids
-            pos += list(c.logprobs or [])
-        return ids, pos
 
 
 class OpenAIServing:
-    """Handlers for ``/v1/completions`` and ``/v1/chat/completions``.
+    """The served model's checks and engine calls, shared by the routes (``serving_completion``,
+    ``serving_chat``, ``tokenize``).
 
     Args:
         engine: the running async engine.
@@ -241,32 +201,6 @@ class OpenAIServing:
     def decode_token(self, token_id: int) -> str:
         """One token's text, as vLLM writes it in logprobs (special tokens kept)."""
         return self.llm.tokenizer.decode([token_id])
-
-    # ---- prompts --------------------------------------------------------------------------------------
-
-    def completion_prompts(self, req: p.CompletionRequest) -> list[_Prompt]:
-        """Every prompt of the request (a string, token ids, or a non-empty list of either), each
-        checked for length before it is tokenized (called off the event loop: tokenizing takes a while)."""
-        prompt = req.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompts = [prompt]
-        elif not prompt:
-            raise bad_request("prompt is empty (0 prompts); at least 1 is needed", "prompt")
-        else:
-            prompts = list(prompt)
-        for one in prompts:
-            if isinstance(one, str):
-                self.check_prompt_chars(len(one), "prompt")
-            else:
-                self.check_length(len(one), req.max_tokens, "prompt")
-        out = []
-        for one in prompts:
-            try:
-                text, ids = self.llm.tokenize(one)
-            except ValueError as exc:
-                raise bad_request(_short(exc), "prompt") from None
-            out.append(_Prompt(text if text is not None else self.llm.tokenizer.decode(ids), ids))
-        return out
 
     def chat_messages(self, req: p.ChatCompletionRequest) -> list[dict[str, str]]:
         """The conversation as template input, its fields checked and its length bounded before
@@ -328,7 +262,7 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise engine_error(exc) from None
         except ValueError as exc:
-            message = _short(exc)
+            message = short_error(exc)
             if message.startswith("structured_outputs") and by_format:
                 # The client sent response_format: name its field, not the engine's.
                 message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
@@ -336,7 +270,7 @@ class OpenAIServing:
             param = "structured_outputs" if message.startswith("structured_outputs") else _param_of(message)
             raise bad_request(message, param) from None
 
-    async def _start_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+    async def start_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
                          cache_salt: str | None, by_format: bool = False) -> list[OutputStream]:
         """One engine request per prompt; if one is refused, the ones already added are aborted."""
         streams: list[OutputStream] = []
@@ -348,171 +282,6 @@ class OpenAIServing:
                 stream.abort_if_unfinished()
             raise
         return streams
-
-    # ---- completions --------------------------------------------------------------------------------
-
-    async def completions(self, req: p.CompletionRequest, raw: Request):
-        self.check_model(req.model)
-        check_fields(req, REFUSED_COMPLETION)
-        if req.best_of not in (None, req.n):
-            raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
-        shape = _CompletionShape(req.echo, req.logprobs, req.echo and req.max_tokens == 0, req.n)
-        # max_tokens 0 with echo: generate one token and drop it (vLLM 0.32 does the same).
-        max_tokens = 1 if shape.echo_only else req.max_tokens
-        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        self.check_top_k(req)
-        params = sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
-        self.check_servable(params)
-        prompts = await asyncio.to_thread(self.completion_prompts, req)
-        for prompt in prompts:
-            self.check_length(len(prompt.ids), max_tokens, "prompt")
-        streams = await self._start_all([x.ids for x in prompts], params, "cmpl", self.salt_of(req, raw),
-                                        req.response_format is not None)
-        rid, model = streams[0].request_id, self.names[0]
-        outputs = until_disconnected(streams, raw)
-        if req.stream:
-            events = self._completion_events(outputs, rid, model, shape, prompts, req)
-            return StreamingResponse(_guard(events, streams), media_type="text/event-stream")
-        finals = await _last_each(outputs, len(streams))
-        choices = [self._completion_choice(shape, i, prompts[i], out, c)
-                   for i, out in enumerate(finals) for c in out.outputs]
-        return p.CompletionResponse(id=rid, model=model, choices=choices,
-                                    usage=_usage(finals, not shape.echo_only))
-
-    def _completion_choice(self, shape: _CompletionShape, i: int, prompt: _Prompt, out: RequestOutput, c
-                           ) -> p.CompletionChoice:
-        text = (prompt.text if shape.echo else "") + ("" if shape.echo_only else c.text)
-        logprobs = None
-        if shape.logprobs is not None:
-            logprobs = CompletionLogprobsBuilder(self.decode_token).add(*shape.tokens(out, c))
-        return p.CompletionChoice(index=shape.index(i, c.index), text=text,
-                                  logprobs=logprobs, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason)
-
-    async def _completion_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]], rid: str,
-                                 model: str, shape: _CompletionShape, prompts: list[_Prompt],
-                                 req: p.CompletionRequest) -> AsyncIterator[str]:
-        sent: dict[int, _Sent] = {}
-        last: dict[int, RequestOutput] = {}
-        async for i, out in outputs:
-            last[i] = out
-            choices = []
-            for c in out.outputs:
-                key = shape.index(i, c.index)
-                state = sent.setdefault(key, _Sent(CompletionLogprobsBuilder(self.decode_token)))
-                choice = state.completion_delta(shape, prompts[i], out, c, key)
-                if choice is not None:
-                    choices.append(choice)
-            if choices:
-                usage = _usage(list(last.values()), not shape.echo_only) if req.continuous_usage else None
-                yield _sse(p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage))
-        finals = list(last.values())
-        if req.include_usage and len(finals) == len(prompts) and all(o.finished for o in finals):
-            yield _sse(p.CompletionResponse(id=rid, model=model, choices=[],
-                                            usage=_usage(finals, not shape.echo_only)))
-
-    # ---- chat -------------------------------------------------------------------------------------------
-
-    async def chat(self, req: p.ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
-        check_fields(req, REFUSED_CHAT)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        top = req.top_logprobs or 0
-        if req.logprobs and not 0 <= top <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be an int in [0, {MAX_LOGPROBS}], got {top}",
-                              "top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        self.check_top_k(req)
-        try:
-            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
-        except FieldError as exc:
-            raise bad_request(str(exc), exc.param) from None
-        params = sampling_params(req, max_tokens, top if req.logprobs else None, tools=plan)
-        self.check_servable(params)
-        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, req, self.chat_messages(req), plan.tools)
-        self.check_length(len(prompt_ids), max_tokens, "messages")
-        streams = await self._start_all([prompt_ids], params, "chatcmpl", self.salt_of(req, raw),
-                                        req.response_format is not None)
-        rid, model = streams[0].request_id, self.names[0]
-        outputs = until_disconnected(streams, raw)
-        top_n = top if req.logprobs else None
-        if req.stream:
-            events = self._chat_events(outputs, rid, model, top_n, req, plan)
-            return StreamingResponse(_guard(events, streams), media_type="text/event-stream")
-        final = (await _last_each(outputs, 1))[0]
-        choices = [_chat_choice(c, plan, self._chat_logprobs(c.token_ids, c.logprobs, top_n))
-                   for c in final.outputs]
-        return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage([final]))
-
-    def _chat_logprobs(self, ids: list[int], positions, top_n: int | None) -> p.ChoiceLogprobs | None:
-        if top_n is None:
-            return None
-        return chat_logprobs(ids, list(positions or []), top_n, self.decode_token)
-
-    async def _chat_events(self, outputs: AsyncIterator[tuple[int, RequestOutput]], rid: str, model: str,
-                           top_n: int | None, req: p.ChatCompletionRequest, plan: ToolPlan
-                           ) -> AsyncIterator[str]:
-        chunk: Callable[..., str] = lambda choices, usage=None: _sse(  # noqa: E731 - local shorthand
-            p.ChatCompletionChunk(id=rid, model=model, choices=choices, usage=usage))
-        sent: dict[int, _Sent] = {}
-        tools: dict[int, ToolStream] = {}
-        last = None
-        async for _, out in outputs:
-            last = out
-            choices = []
-            for c in out.outputs:
-                if plan.mode != "none":  # content and tool calls come from the tool stream
-                    choice = _tool_delta(tools.setdefault(c.index, ToolStream(plan)), sent, c)
-                    if choice is not None:
-                        choices.append(choice)
-                    continue
-                state = sent.setdefault(c.index, _Sent(None))
-                first, done = not state.started, c.finish_reason is not None
-                if state.done or not (first or done or len(c.text) > state.chars):
-                    continue
-                text, ids, pos = state.take(c.text, c.token_ids, list(c.logprobs or []))
-                state.done = done
-                # The role travels with the first engine output (vLLM 0.32), so a client that
-                # times the first chunk with choices measures the prefill.
-                delta = p.DeltaMessage(role="assistant" if first else None,
-                                       content=text if text or first else None)
-                logprobs = self._chat_logprobs(ids, pos, top_n) if ids else None
-                choices.append(p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason))
-            if choices:
-                yield chunk(choices, _usage([out]) if req.continuous_usage else None)
-        if req.include_usage and last is not None and last.finished:
-            yield chunk([], _usage([last]))
-
-
-def _chat_choice(c, plan: ToolPlan, logprobs: p.ChoiceLogprobs | None) -> p.ChatChoice:
-    """One finished choice: content, or content and ``tool_calls`` parsed as the plan says."""
-    content, calls = parse_tool_calls(plan, c.text)
-    return p.ChatChoice(index=c.index, message=p.AssistantMessage(content=content, tool_calls=calls),
-                        logprobs=logprobs, finish_reason=_tool_finish(c.finish_reason, bool(calls)),
-                        stop_reason=c.stop_reason)
-
-
-def _tool_finish(finish_reason: str | None, called: bool) -> str | None:
-    """OpenAI's ``tool_calls`` finish reason for an output that ended normally in tool calls."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
-
-
-def _tool_delta(stream: ToolStream, sent: dict, c) -> p.ChatStreamChoice | None:
-    """The next streamed choice of a tool-calling request (role first, as the plain path sends it)."""
-    first, done = c.index not in sent, c.finish_reason is not None
-    if sent.get(c.index) == "done":
-        return None
-    content, calls = stream.finish(c.text) if done else stream.update(c.text)
-    sent[c.index] = "done" if done else "started"
-    if not (first or done or content is not None or calls):
-        return None
-    delta = p.DeltaMessage(role="assistant" if first else None,
-                           content=content if content is not None or not first else "",
-                           tool_calls=calls or None)
-    reason = _tool_finish(c.finish_reason, bool(stream.calls)) if done else None
-    return p.ChatStreamChoice(index=c.index, delta=delta, finish_reason=reason)
 
 
 def tenant_salt(authorization: str | None, cache_salt: str | None) -> str:
@@ -529,7 +298,7 @@ def tenant_salt(authorization: str | None, cache_salt: str | None) -> str:
 
 
 @dataclass
-class _Sent:
+class SentSoFar:
     """What one choice has streamed so far: characters and tokens (its logprobs builder keeps the
     running text offset)."""
 
@@ -546,24 +315,8 @@ class _Sent:
         self.chars, self.tokens, self.started = len(text), len(ids), True
         return new
 
-    def completion_delta(self, shape: _CompletionShape, prompt: _Prompt, out: RequestOutput, c, index: int
-                         ) -> p.CompletionChoice | None:
-        """The next chunk's choice, or None when there is nothing to send yet. Under ``echo`` the prompt
-        goes out with the first generated token, when its logprobs are complete."""
-        done = c.finish_reason is not None
-        if self.done or (not done and (shape.echo_only or (shape.echo and not c.token_ids))):
-            return None
-        text = (prompt.text if shape.echo else "") + ("" if shape.echo_only else c.text)
-        if not done and len(text) <= self.chars:
-            return None
-        new_text, ids, pos = self.take(text, *shape.tokens(out, c))
-        self.done = done
-        logprobs = self.builder.add(ids, pos) if shape.logprobs is not None and self.builder else None
-        return p.CompletionChoice(index=index, text=new_text, logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
-
-async def _last_each(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+async def last_each(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
     """The final output of each of ``count`` requests, in prompt order (the client may leave first:
     then they were aborted)."""
     finals: dict[int, RequestOutput] = {}
@@ -577,22 +330,22 @@ async def _last_each(outputs: AsyncIterator[tuple[int, RequestOutput]], count: i
     return [finals[i] for i in range(count)]
 
 
-async def _guard(events: AsyncIterator[str], streams: list[OutputStream]) -> AsyncIterator[str]:
+async def guard_stream(events: AsyncIterator[str], streams: list[OutputStream]) -> AsyncIterator[str]:
     """End a stream cleanly: an engine failure becomes an error event; ``[DONE]`` always closes it;
     the requests are aborted if the events stopped before they finished (their blocks go back at once)."""
     try:
         async for event in events:
             yield event
     except EngineDeadError as exc:
-        yield _sse_error(engine_error(exc))
+        yield sse_error(engine_error(exc))
     except Exception as exc:  # noqa: BLE001 - the stream has started: the client gets an error event
-        yield _sse_error(internal_error(exc))
+        yield sse_error(internal_error(exc))
     finally:
         for stream in streams:
             stream.abort_if_unfinished()
     yield "data: [DONE]\n\n"
 
 
-def _sse_error(error: ApiError) -> str:
+def sse_error(error: ApiError) -> str:
     info = p.ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code)
-    return _sse(p.ErrorResponse(error=info))
+    return sse(p.ErrorResponse(error=info))

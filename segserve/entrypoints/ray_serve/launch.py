@@ -13,7 +13,8 @@
 A local cluster starts with the dashboard off, usage stats off and every Ray service on 127.0.0.1
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: Ray's single-machine mode, which binds loopback only), in
 its own temp dir; on exit (Ctrl-C, SIGTERM) this process deletes the app, shuts Serve down and stops
-the cluster it started (a joined cluster keeps running; only the app and the board are removed).
+the cluster it started (a joined cluster keeps running; the app and the board are removed, and Serve
+when this process started it there and no other app is left; ``join.py`` joins it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from segserve.entrypoints.ray_serve import join
 from segserve.entrypoints.ray_serve.settings import ScaleOut
 
 log = logging.getLogger("segserve")
@@ -57,11 +59,7 @@ def start_ray(scale: ScaleOut, num_cpus: int | None = None) -> bool:
         ray.init(address="local", include_dashboard=False, num_cpus=num_cpus or scale.available_cpus,
                  log_to_driver=False, configure_logging=False, _temp_dir=_LOCAL_TEMP_DIRS[-1])
         return True
-    scale.check_reachable()
-    try:
-        ray.init(address=scale.ray_address, log_to_driver=False, configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ValueError(f"--ray-address {scale.ray_address}: cannot join the cluster: {exc}") from None
+    join.join(scale.ray_address)
     return False
 
 
@@ -136,16 +134,38 @@ def replica_counts(target: int, app_name: str = APP_NAME) -> tuple[int, int]:
     return dep.replica_states.get("RUNNING", 0), target
 
 
-def stop(started_cluster: bool, board) -> None:
-    """Delete the app and the board; shut Serve and the local cluster down when we started them."""
+def serve_running() -> bool:
+    """Whether Serve's controller runs on the connected cluster (read from its named actors)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return any(a["name"] == SERVE_CONTROLLER_NAME and a.get("namespace") == SERVE_NAMESPACE
+               for a in ray.util.list_named_actors(all_namespaces=True))
+
+
+def check_app_free(address: str, app_name: str = APP_NAME) -> None:
+    """ValueError naming ``--ray-address`` when the joined cluster already runs an app of that name:
+    deploying would replace another ingress's replicas, and stopping would delete them."""
+    from ray import serve
+
+    if serve_running() and app_name in serve.status().applications:
+        raise ValueError(f"--ray-address {address}: the cluster already runs a Serve app named {app_name!r} "
+                         "(another segserve serve?); stop that one first")
+
+
+def stop(started_cluster: bool, board, started_serve: bool = False) -> None:
+    """Delete the app and the board; shut Serve down when we started it and no other app is left on
+    it, and stop the local cluster when we started that (a joined cluster is left as we found it)."""
     import ray
     from ray import serve
 
     try:
         if started_cluster:
             serve.shutdown()
-        else:
+        elif serve_running():
             serve.delete(APP_NAME)
+            if started_serve and not serve.status().applications:
+                serve.shutdown()
         if board is not None:
             ray.kill(board)
     finally:
@@ -170,13 +190,22 @@ def serve_replicas(scale: ScaleOut, spec: ReplicaSpec, num_cpus: int | None = No
     from segserve.entrypoints.ray_serve.ingress import Ingress
 
     started, board = start_ray(scale, num_cpus), None
+    started_serve = started or not serve_running()
+    if not started:
+        try:
+            check_app_free(scale.ray_address)
+        except ValueError:
+            import ray
+
+            ray.shutdown()
+            raise
     try:
         handle, board = deploy(scale, spec)
         log.info("%d replicas x %d CPUs, router %s", scale.num_replicas, scale.replica_cpus, scale.router)
         ingress = Ingress(handle, lambda: replica_counts(scale.num_replicas), board)
         yield Deployment(handle, board, ingress.app())
     finally:
-        stop(started, board)
+        stop(started, board, started_serve)
 
 
 def run_cluster(args: argparse.Namespace, budget_source: str) -> int:

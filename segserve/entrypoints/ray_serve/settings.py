@@ -87,17 +87,12 @@ class ScaleOut:
             raise ValueError(f"--router-{str(exc).replace('_', '-')}") from None
 
     def check_reachable(self, timeout_s: float = 5.0) -> None:
-        """ValueError naming ``--ray-address`` when nothing listens there (Ray itself would retry for a
-        minute before failing)."""
-        import socket
+        """ValueError naming ``--ray-address`` when it is malformed, nothing listens there or what listens
+        speaks no gRPC (before any model work; ``join.join`` checks the rest when it joins)."""
+        from segserve.entrypoints.ray_serve.join import check_grpc, check_listening
 
-        if self.ray_address is None:
-            return
-        host, _, port = self.ray_address.removeprefix("ray://").rpartition(":")
-        try:
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--ray-address {self.ray_address}: unreachable ({exc})") from None
+        if self.ray_address is not None:
+            check_grpc(self.ray_address, *check_listening(self.ray_address, timeout_s))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ScaleOut:
