@@ -133,7 +133,8 @@ class CpuStep:
         stack = self.decode_stack(h, kv_caches, metadata)
         if stack is not None:  # a decode-only step: every layer in one compiled call
             stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
-                      metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale)
+                      metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale,
+                      int8=quant.int8_enabled())
             return model.norm(h)
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             h = forward_small(layer, h, cos, sin, kv_cache, metadata)
