@@ -44,13 +44,13 @@ enum { V_OK = 0, V_ERR_SHAPE = -1, V_ERR_NOMEM = -2 };
 int sg_quant_int8_built(void) { return 1; }
 
 /* The int8 form of M activation rows: np = ceil(nb / 2) pairs of blocks per row. */
-typedef struct {
+struct xrows {
     int64_t np;
     int8_t *q;    /* (M, np, 64) int8 values in the pair layout above */
     float *dx;    /* (M, np, 16) each lane's block scale (0 for a missing odd block) */
     int32_t *c0;  /* (M, np, 16) accumulator start: -offset * the lane's sum of 4 int8 values */
     float *xs;    /* (M, 2 np) float32 sum of each block of x (Q4_1's m term), 0 for a missing block */
-} xrows;
+};
 
 /* 32 values of x as int8 (16 + 16 in q0, q1) under the scale it returns: amax / 127, or 0 for a block
  * of zeros (its values are then 0). Rounding: to nearest even (the MXCSR default of vcvtps2dq). */
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) __m512i load_pair(int wqt, const ui
 /* out[i][j] = dot(x row m0 + i, dequant(weight row wr[j])) with x in its int8 form; inlined with constant
  * wqt, nt and mt so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void qtile_i8(int wqt, int nt, int mt, const uint8_t *const wr[8],
-                                                           int64_t nb, int64_t bb, const xrows *xr, int64_t m0,
+                                                           int64_t nb, int64_t bb, const struct xrows *xr, int64_t m0,
                                                            float out[8][8]) {
     const int64_t np = xr->np;
     const __mmask16 second = wqt == WQT_Q8_0 ? 0xFF00 : 0xF0F0;
@@ -190,7 +190,7 @@ int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K
     size_t nq = (size_t)M * np * 64, nf = (size_t)M * np * 16;
     char *buf = aligned_alloc(64, nq + 3 * nf * 4 + 64);
     if (!buf) return V_ERR_NOMEM;
-    xrows xr = {.np = np, .q = (int8_t *)buf, .dx = (float *)(buf + nq), .c0 = (int32_t *)(buf + nq + nf * 4),
+    struct xrows xr = {.np = np, .q = (int8_t *)buf, .dx = (float *)(buf + nq), .c0 = (int32_t *)(buf + nq + nf * 4),
                 .xs = (float *)(buf + nq + 2 * nf * 4)};
     for (int64_t m = 0; m < M; m++)
         quantize_row(wqt, xf + m * ldxf, nb, np, xr.q + m * np * 64, xr.dx + m * np * 16, xr.c0 + m * np * 16,
