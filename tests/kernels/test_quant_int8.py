@@ -53,29 +53,18 @@ def int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (amax / 254) @ wsum.T
 
 
-def block_mins(w) -> torch.Tensor:
-    """``(N, K)``: Q4_1's per-block ``m`` spread over its 32 values (zeros for the other formats)."""
-    n, k = w.shape
-    if w.qtype != "Q4_1":
-        return torch.zeros(n, k, dtype=torch.float64)
-    m = w.data.reshape(n, k // 32, 20)[..., 2:4].contiguous().view(torch.float16).double()  # (N, nb, 1)
-    return m.expand(n, k // 32, 32).reshape(n, k)
-
-
 def check(got: torch.Tensor, x: torch.Tensor, w, bf16_out: bool = False) -> None:
-    """``got`` ``(M, N)`` = the int8 kernel's ``x @ dequantize(w).T``, checked against both oracles (Q4_1's
-    ``m`` term multiplies the exact x, as the kernel does)."""
-    wd, mins = gguf_reference(w).double(), block_mins(w)
-    scaled = wd - mins  # the part that multiplies the int8 activations
+    """``got`` ``(M, N)`` = the int8 kernel's ``x @ dequantize(w).T``, checked against both oracles."""
+    wd = gguf_reference(w).double()
     xq, xd = int8_rows(x), x.double()
-    emulated = xq @ scaled.T + xd @ mins.T
-    abs_sum = xq.abs() @ scaled.abs().T + xd.abs() @ mins.abs().T
+    emulated = xq @ wd.T
+    abs_sum = xq.abs() @ wd.abs().T
     rtol = BF16_REL if bf16_out else 0.0
     err = (got.double() - emulated).abs()
     limit = SUM_REL * abs_sum + rtol * emulated.abs()
     assert (err <= limit).all(), f"off the int8 emulation by {(err - limit).max().item():.3g}"
     exact = xd @ wd.T
-    limit = int8_bound(x, scaled) + SUM_REL * (xd.abs() @ wd.abs().T) + rtol * exact.abs()
+    limit = int8_bound(x, wd) + SUM_REL * (xd.abs() @ wd.abs().T) + rtol * exact.abs()
     err = (got.double() - exact).abs()
     assert (err <= limit).all(), f"off dequantize-then-matmul beyond the bound by {(err - limit).max():.3g}"
 
@@ -96,7 +85,7 @@ def test_int8_linear_matches_its_emulation_and_the_stated_bound(qtype, n, k, m):
 def test_int8_prologues_bias_residual_and_bfloat16(qtype, prologue):
     n, k, m = 21, 160, 3
     w = random_blocks(qtype, n, k, seed=7)
-    wd, mins = gguf_reference(w).double(), block_mins(w)
+    wd = gguf_reference(w).double()
     g = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(m, 2 * k if prologue == "silu_mul" else k, generator=g).to(dtype)
@@ -111,10 +100,9 @@ def test_int8_prologues_bias_residual_and_bfloat16(qtype, prologue):
         if dtype == torch.float32:
             check(product, xin, w)
         else:
-            got, xq, xd = residual.double(), int8_rows(xin), xin.double()
-            want = start.double() + bias.double() + xq @ (wd - mins).T + xd @ mins.T
+            got, xq = residual.double(), int8_rows(xin)
+            want = start.double() + bias.double() + xq @ wd.T
             scale = start.double().abs() + bias.double().abs() + xq.abs() @ wd.abs().T
-            scale += xd.abs() @ mins.abs().T
             assert ((got - want).abs() <= 3 * BF16_REL * scale + 1e-6).all()
 
 

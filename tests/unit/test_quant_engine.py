@@ -178,3 +178,30 @@ def test_the_simulators_model_shape_counts_block_weights_as_values(files):
     native, dense = load_model(files["tied"]), load_model(files["tied"], quantization="none")
     assert model_shape_of(native)["num_params"] == model_shape_of(dense)["num_params"] == 300 * 64 + 2 * (
         64 * (64 + 32 + 32) + 64 * 64 + 2 * 96 * 64 + 64 * 96) + 5 * 64
+
+
+@pytest.mark.skipif(not quant.int8_built(), reason="no AVX-512 VNNI int8 kernel on this CPU")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int8_activations_reach_every_small_step_path_and_stay_near_the_float_path(files, qtype):
+    """``SEGSERVE_QUANT_INT8`` (quant.set_int8) is honoured by the one-call decode stack, the per-layer
+    linears (budget 5) and the LM head: the logprobs move (the int8 path ran) but stay within 0.05 of
+    the float kernels' (measured at most ~0.01 on these tiny models: the int8 rounding moves each
+    activation by at most 1/254 of its block's largest), and the switch back off restores the float
+    results exactly."""
+    floats = run(files[qtype])
+    old = quant.set_int8(True)
+    try:
+        for budget in (64, 5):
+            int8 = run(files[qtype], budget=budget)
+            moved = 0.0
+            for a, b in zip(floats, int8, strict=True):
+                first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+                top = next(iter(first_a))
+                assert top in first_b and abs(first_a[top] - first_b[top]) < 0.05
+                moved = max(moved, max(abs(first_a[t] - first_b[t]) for t in first_a if t in first_b))
+            assert moved > 0.0
+    finally:
+        quant.set_int8(old)
+    assert_same(run(files[qtype]), floats)
+    assert all(a.outputs[0].logprobs == b.outputs[0].logprobs for a, b in zip(run(files[qtype]), floats,
+                                                                             strict=True))

@@ -28,7 +28,8 @@ int sg_quant_matmul(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, c
 /* The same product with the activations quantized to int8 first (segserve_quant_vnni.c): each row of xf
  * in blocks of 32 values, q = round(x * 127 / amax(block)) with the float32 scale amax / 127 kept, then
  * integer dot products of q with the stored nibbles or bytes (AVX-512 VNNI vpdpbusd), each block's sum
- * scaled by the two blocks' scales in float32; Q4_1's m term uses the float32 block sums of x itself.
+ * scaled by the two blocks' scales in float32 (Q4_1's m term times the rounded block's sum): the exact
+ * product of the dequantized weights with the rounded x, up to float32 summation.
  * The approach is llama.cpp's (ggml-cpu's Q8_0 / Q8_1 activation blocks and its vec_dot kernels).
  * Arguments, shapes and returns as sg_quant_matmul; -2 (ERR_NOMEM) when the row buffer cannot be had;
  * -1 also when the library was built for a CPU without AVX-512 VNNI (see sg_quant_int8_built). */

@@ -14,8 +14,11 @@
  * are 0..15 as stored, Q8_0's signed bytes get 128 added (xor 0x80). The offset this leaves (8 for Q4_0,
  * whose value is nibble - 8; 128 for Q8_0) times the block's sum of int8 activations is subtracted by
  * starting each accumulator at -offset * (lane sums of the activations), computed once per row. Q4_1's
- * value is d * nibble + m: its m term is m times the float32 sum of the block's activations (exact x, not
- * the rounded one), added in float32.
+ * value is d * nibble + m: its m term is m times the sum of the block's rounded activations, added in
+ * float32. The rounded sum, not the exact one: the product is then exactly dequant(w) . round(x), whose
+ * error sum_k w_k (round(x_k) - x_k) is weighted by the centred weights; with the exact sum the error's
+ * weights would be d * nibble, all of one sign and about twice as large (measured: SmolLM2's logits
+ * moved ~2x more).
  *
  * Layout of one pair of blocks b, b + 1 of an activation row (64 int8, matching how the weights load):
  *   Q4_0, Q4_1: [b values 0..15 | b+1 values 0..15 | b values 16..31 | b+1 values 16..31]
@@ -49,18 +52,20 @@ struct xrows {
     int8_t *q;    /* (M, np, 64) int8 values in the pair layout above */
     float *dx;    /* (M, np, 16) each lane's block scale (0 for a missing odd block) */
     int32_t *c0;  /* (M, np, 16) accumulator start: -offset * the lane's sum of 4 int8 values */
-    float *xs;    /* (M, 2 np) float32 sum of each block of x (Q4_1's m term), 0 for a missing block */
+    float *xs;    /* (M, 2 np) each rounded block's sum, scale * sum(q) (Q4_1's m term); 0 if missing */
 };
 
 /* 32 values of x as int8 (16 + 16 in q0, q1) under the scale it returns: amax / 127, or 0 for a block
- * of zeros (its values are then 0). Rounding: to nearest even (the MXCSR default of vcvtps2dq). */
+ * of zeros (its values are then 0); *sum is the rounded block's sum, scale * sum(q). Rounding: to
+ * nearest even (the MXCSR default of vcvtps2dq). */
 static inline float quantize_block(const float *x, __m128i *q0, __m128i *q1, float *sum) {
     __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    *sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    *q0 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)));
-    *q1 = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)));
+    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+    *q0 = _mm512_cvtepi32_epi8(i0);
+    *q1 = _mm512_cvtepi32_epi8(i1);
+    *sum = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)) * (amax / 127.0f);
     return amax / 127.0f;
 }
 
