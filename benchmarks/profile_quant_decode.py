@@ -4,9 +4,11 @@ stack, the LM head, each projection kind alone, and what is left (engine, sample
 Runs the default model (Q4_1 SmolLM2) or ``--model FILE`` with ``--dtype``, one request decoding
 ``--tokens`` tokens after an 8-token prompt. The stack and LM head are timed by wrapping the runner's
 ``CpuStep`` calls during that generation; each projection kind is timed alone with ``quant.linear`` on
-layer 0's weights (one row, median of many calls) and multiplied by the layer count; attention, RoPE and
-the KV write are the stack's time minus its projections. Also prints the bandwidth floor: bytes of
-weights read per token over a measured copy bandwidth (``bench_decode.measure_bandwidth_gbs``).
+layer 0's weights (one row, median of many calls, less the median of a call on a one-block weight: the
+wrapper's own cost) and multiplied by the layer count; attention, RoPE and the KV write are the stack's
+time minus its projections. ``--int8`` runs with the int8-activation kernels (``SEGSERVE_QUANT_INT8``).
+Also prints the bandwidth floor: bytes of weights read per token over a measured copy bandwidth
+(``bench_decode.measure_bandwidth_gbs``).
 Prints one line per part and writes ``results/profile_quant_decode.json``.
 """
 
@@ -59,9 +61,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--int8", action="store_true", help="int8 activations (quant.set_int8)")
     p.add_argument("--out", default="results/profile_quant_decode.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    quant.set_int8(args.int8)
     kw = {} if args.model is None else {"model": args.model}
     llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes=256 << 20,
               enable_prefix_caching=False, **kw)
@@ -89,17 +93,22 @@ def main() -> None:
     kinds = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
              "down": layer.mlp.down_proj}
     lin = {}
+    w0 = kinds["o"].quant_weight
+    tiny = type(w0)(w0.data[:1, : w0.data.shape[1] // (w0.shape[1] // 32)].contiguous(), w0.qtype, 32)
+    x0 = torch.randn(1, 32, dtype=dt)
+    call = _timed_calls(lambda: quant.linear(x0, tiny), 300)
     for name, mod in kinds.items():
         w = mod.quant_weight
         x = torch.randn(1, w.shape[1], dtype=dt)
-        lin[name] = _timed_calls(lambda w=w, x=x: quant.linear(x, w), 300) * 1e3 * len(model.layers)
+        lin[name] = (_timed_calls(lambda w=w, x=x: quant.linear(x, w), 300) - call) * 1e3 * len(model.layers)
     lin_ms = sum(lin.values())
     wbytes = sum(m.quant_weight.nbytes for lay in model.layers for m in (
         lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj))
     head_bytes = model.quantized_lm_head.nbytes
     bw = measure_bandwidth_gbs()
     rep = {
-        "dtype": args.dtype, "load": os.getloadavg()[0], "decode_tok_s": 1 / per_tok,
+        "dtype": args.dtype, "int8": quant.int8_enabled(), "load": os.getloadavg()[0],
+        "decode_tok_s": 1 / per_tok,
         "step_ms": per_tok * 1e3, "stack_and_embed_ms": fwd_ms, "lm_head_ms": head_ms,
         "linears_ms": lin, "attention_rope_kv_ms": fwd_ms - lin_ms,
         "engine_overhead_ms": per_tok * 1e3 - fwd_ms - head_ms,
