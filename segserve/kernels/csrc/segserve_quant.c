@@ -38,6 +38,9 @@
 #error "segserve quantized kernels need AVX-512F and F16C"
 #endif
 
+#ifndef Q_PF_GROUPS
+#define Q_PF_GROUPS 2
+#endif
 enum { Q_OK = 0, Q_ERR_SHAPE = -1, Q_ERR_ROW = -3, Q_ERR_LAYOUT = -5 };
 
 int64_t sg_quant_block_bytes(int wqt) {
@@ -93,6 +96,9 @@ static inline __attribute__((always_inline)) void qtile(int wqt, int nt, int mt,
             __m512 lo[8], hi[8];
             for (int j = 0; j < nt; j++) {
                 const uint8_t *blk = wr[j] + b * bb;
+                /* The same bytes Q_PF_GROUPS tiles on (a thread's tiles are consecutive rows): the
+                 * hardware prefetcher alone left a batch-1 step waiting on memory (~1.5x slower). */
+                _mm_prefetch((const char *)blk + Q_PF_GROUPS * nt * nb * bb, _MM_HINT_T0);
                 float d = wqt == WQT_Q8_0 ? half_at(blk) : sd[j][c], m = wqt == WQT_Q4_1 ? sm[j][c] : 0.0f;
                 dequant_block(wqt, blk, d, m, &lo[j], &hi[j]);
             }

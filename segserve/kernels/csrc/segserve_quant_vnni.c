@@ -41,6 +41,9 @@
 #include "segserve_quant_inl.h"
 
 enum { V_OK = 0, V_ERR_SHAPE = -1, V_ERR_NOMEM = -2 };
+#ifndef PF_GROUPS
+#define PF_GROUPS 2
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
@@ -133,6 +136,9 @@ static inline __attribute__((always_inline)) void qtile_i8(int wqt, int nt, int 
             const int64_t p = (b0 + c) / 2;
             const int two = c + 1 < cb;
             for (int j = 0; j < nt; j++) {
+                /* The same bytes PF_GROUPS tiles on (a thread's tiles are consecutive rows): the
+                 * hardware prefetcher alone left a batch-1 step waiting on memory (~1.5x slower). */
+                _mm_prefetch((const char *)wr[j] + PF_GROUPS * nt * nb * bb + (b0 + c) * bb, _MM_HINT_T0);
                 __m512i w = load_pair(wqt, wr[j] + (b0 + c) * bb, bb, two);
                 __m512 dw = _mm512_mask_blend_ps(second, _mm512_set1_ps(sd[j][c]),
                                                  _mm512_set1_ps(two ? sd[j][c + 1] : 0.0f));
