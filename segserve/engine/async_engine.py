@@ -137,6 +137,9 @@ class AsyncLLMEngine:
         self._generated: dict[str, int] = {}  # request id -> tokens seen so far (engine thread)
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
+        # Wall seconds of engine-loop iterations that ran a step (queued commands, the step, the
+        # observers); against ``engine.model_seconds`` it gives the time spent outside the model.
+        self.busy_seconds = 0.0
         self._closing: ShuttingDownError | None = None  # set by abort_all (engine thread)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -263,9 +266,11 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._wake.clear()
+                t0 = time.perf_counter()
                 self._run_commands()
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    self.busy_seconds += time.perf_counter() - t0
                 else:
                     self._wake.wait(self.idle_poll_s)
                     self._idle()

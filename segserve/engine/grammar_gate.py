@@ -90,15 +90,22 @@ class GrammarGate:
     ) -> list[EngineCoreOutput]:
         """Advance the matchers by the sampled tokens; returns ``outputs`` with a finish reason on each
         request whose token the grammar rejected (ended now: ``stop`` if its grammar was complete,
-        else ``abort``); forgets the matchers of requests no longer in the scheduler."""
-        rejected = self.manager.accept(runner_output.sampled_token_ids)
-        for rid, complete in rejected.items():
+        else ``abort``) or whose grammar ended on a stop token that ``min_tokens`` kept from ending
+        the request (``stop``: the output is complete; only ``ignore_eos`` goes on past a grammar);
+        forgets the matchers of requests no longer in the scheduler."""
+        rejected, terminated = self.manager.accept(runner_output.sampled_token_ids)
+        ended = dict(rejected)  # req_id -> its grammar is complete
+        unfinished = {o.req_id for o in outputs if o.finish_reason is None}
+        for rid in terminated:
+            if rid in unfinished and not scheduler.requests[rid].sampling_params.ignore_eos:
+                ended[rid] = True
+        for rid, complete in ended.items():
             status = RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ABORTED
             scheduler.finish_requests([rid], status)
-        if rejected:
+        if ended:
             outputs = [
-                dataclasses.replace(o, finish_reason="stop" if rejected[o.req_id] else "abort")
-                if o.req_id in rejected and o.finish_reason is None
+                dataclasses.replace(o, finish_reason="stop" if ended[o.req_id] else "abort")
+                if o.req_id in ended and o.finish_reason is None
                 else o
                 for o in outputs
             ]

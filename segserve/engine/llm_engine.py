@@ -138,6 +138,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.step_count = 0
+        # Seconds spent in ``runner.execute_model`` (forward and sampling) over every step, and in
+        # whole steps (plus scheduling, output processing, detokenization): what a server adds
+        # around the model shows as the difference (``segserve:model_execute_seconds``).
+        self.model_seconds = 0.0
+        self.step_seconds = 0.0
         # Called with each step's SchedulerOutput right after scheduling, while request state still
         # matches it (profilers and tests read the step's composition here).
         self.schedule_observers: list[Callable[[SchedulerOutput], None]] = []
@@ -347,7 +352,9 @@ class LLMEngine:
             self.output_processor.record_scheduled(rid, had_prompt_tokens, now)
         try:
             grammar = gate.bitmask(so, self.scheduler) if gate is not None else None
+            t_model = time.perf_counter()
             runner_output = self.runner.execute_model(so, grammar)
+            self.model_seconds += time.perf_counter() - t_model
         except Exception:
             self._fail_step(so)
             raise
@@ -358,8 +365,10 @@ class LLMEngine:
         if stop_hits:
             self.scheduler.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
         self.step_count += 1
+        elapsed = time.perf_counter() - t0
+        self.step_seconds += elapsed
         if monitor is not None:
-            monitor.end(time.perf_counter() - t0)
+            monitor.end(elapsed)
         return outputs
 
     def _fail_step(self, so) -> None:

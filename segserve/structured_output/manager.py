@@ -111,15 +111,15 @@ class StructuredOutputManager:
             self.matchers[rid].fill_next_token_bitmask(bitmask, row)
         return GrammarBitmask(tuple(rids), bitmask)
 
-    def accept(self, sampled: dict[str, list[int]]) -> dict[str, bool]:
+    def accept(self, sampled: dict[str, list[int]]) -> tuple[dict[str, bool], list[str]]:
         """Advance each constrained request's matcher by its sampled tokens.
 
         Returns:
-            req_id -> grammar complete, for each request whose token the grammar rejected. That
-            happens only when every token was masked (e.g. ``min_tokens`` forbids the EOS a complete
-            grammar requires); the caller ends the request.
+            rejected: req_id -> grammar complete, for each request whose token the grammar rejected
+                (it should not happen: the bitmask allowed the token); the caller ends the request.
+            terminated: the requests whose grammar accepted its final stop token this step.
         """
-        rejected = {}
+        rejected, terminated = {}, []
         for rid, tokens in sampled.items():
             matcher = self.matchers.get(rid)
             if matcher is None:
@@ -131,7 +131,9 @@ class StructuredOutputManager:
                     logger.warning("request %s: token %d is outside its grammar; ending it", rid, token)
                     rejected[rid] = matcher.is_completed()
                     break
-        return rejected
+                if matcher.is_terminated():
+                    terminated.append(rid)
+        return rejected, terminated
 
     def shutdown(self) -> None:
         """Stop the compile thread (pending compilations are cancelled)."""

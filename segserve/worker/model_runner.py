@@ -161,9 +161,11 @@ class ModelRunner:
             # logprobs mode "raw_logprobs").
             wants_logprobs = any(s.sampling_params.logprobs is not None for s in states)
             raw = logits.clone() if wants_logprobs else None
-            self._mask_stop_tokens(logits, states)
+            held_back = self._mask_stop_tokens(logits, states)
             self._process_logits(logits, states)
             apply_grammar_bitmask(logits, rids, grammar)
+            if grammar is not None and held_back:
+                self._let_grammar_end(logits, rids, grammar, held_back)
             out = sample(
                 logits,
                 [s.sampling_params for s in states],
@@ -180,8 +182,13 @@ class ModelRunner:
             sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
         )
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RunnerRequest]) -> None:
-        """Forbid EOS and stop ids while a request has generated fewer than ``min_tokens`` (vLLM)."""
+    def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RunnerRequest]
+                          ) -> dict[int, tuple[list[int], torch.Tensor]]:
+        """Forbid EOS and stop ids while a request has generated fewer than ``min_tokens`` (vLLM).
+
+        Returns row -> (the banned token ids, their logits before the ban), for ``_let_grammar_end``.
+        """
+        held_back = {}
         for row, s in enumerate(states):
             params = s.sampling_params
             if s.num_output_tokens >= params.min_tokens:
@@ -190,7 +197,22 @@ class ModelRunner:
             if s.eos_token_id is not None and not params.ignore_eos:
                 banned.append(s.eos_token_id)
             if banned:
+                held_back[row] = (banned, logits[row, banned].clone())
                 logits[row, banned] = float("-inf")
+        return held_back
+
+    @staticmethod
+    def _let_grammar_end(logits: torch.Tensor, rids: list[str], grammar: GrammarBitmask,
+                         held_back: dict[int, tuple[list[int], torch.Tensor]]) -> None:
+        """A complete grammar may allow nothing but a stop token that ``min_tokens`` banned: every
+        logit of the row is then -inf and the sampler would emit token 0, outside the grammar. The
+        grammar wins there (its output is complete): the banned tokens it allows come back."""
+        dead = [row for row in held_back if torch.isneginf(logits[row]).all()]
+        for row in dead:
+            banned, values = held_back[row]
+            logits[row, banned] = values
+        if dead:
+            apply_grammar_bitmask(logits, rids, grammar)
 
     @staticmethod
     def _process_logits(logits: torch.Tensor, states: list[RunnerRequest]) -> None:

@@ -49,11 +49,14 @@ def test_openapi_declares_real_models_and_the_codes_sent(tiny_server):
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_loaded):
     """A server whose waiting queue holds 8 requests, so generated bodies with a large ``n`` are
-    refused (400) rather than generating for minutes."""
+    refused (400) rather than generating for minutes, and whose context is 48 tokens, so a case
+    without ``max_tokens`` generates a few dozen tokens, not a hundred (the cases stay the same
+    requests; more of the long ones are 400s)."""
     from segserve import LLMEngine
     from tests.server.conftest import TINY_ENGINE
 
-    with running_server(LLMEngine(tiny_loaded, **TINY_ENGINE), max_waiting_requests=8) as hs:
+    engine = LLMEngine(tiny_loaded, **TINY_ENGINE, max_model_len=48)
+    with running_server(engine, max_waiting_requests=8) as hs:
         yield hs
 
 

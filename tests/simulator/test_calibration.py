@@ -1,6 +1,6 @@
 """Per-machine step profiles: the fingerprint, the cache (bad, truncated, stale and foreign files are
 refused with their path named), which profile each command picks, and ``profile --quick`` itself
-(slow: the real model)."""
+(on a tiny model with a 4k context)."""
 
 from __future__ import annotations
 
@@ -162,15 +162,27 @@ def _parsed(argv):
     return build_parser().parse_args(argv)
 
 
-@pytest.mark.slow
-def test_profile_quick_calibrates_and_caches_the_default_model(capsys, empty_profile_cache):
+def test_profile_quick_calibrates_and_caches_a_real_engine(capsys, empty_profile_cache, tmp_path):
+    """Every quick probe on a real engine, end to end. A tiny model with a 4k context (every probe's
+    shape, a few seconds): the default model runs the same code in ~40 s on 2 idle cores (its
+    fidelity is ``benchmarks/calib_fidelity.py``'s business, not a test's)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
+    from model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer
+
     from segserve.entrypoints.cli import main
 
-    assert main(["profile", "--quick"]) == 0
+    hf = tiny_hf_model()
+    hf.config.max_position_embeddings = 4096
+    model_dir = tmp_path / "tiny4k"
+    save_tiny_hf_dir(model_dir, hf, train_tiny_tokenizer())
+    assert main(["profile", "--quick", "--model", str(model_dir)]) == 0
     out = capsys.readouterr().out
     assert "fit error: mean |rel err|" in out and "by kind of step" in out
     (path,) = empty_profile_cache.glob("*.json")
-    fp = cal.machine_fingerprint()
+    fp = cal.machine_fingerprint(str(model_dir))
     model, data = cal.read_cached(path, fp)
     assert path == cal.profile_path(fp) and data["fit"]["n"] >= 100
     assert model.coefficients["padded_tokens"] > 0

@@ -170,6 +170,18 @@ def test_stop_string_ends_a_constrained_output(llm):
     assert (out.text, out.finish_reason, out.stop_reason) == ("ab-cd", "stop", "-e")
 
 
+def test_min_tokens_past_a_complete_grammar_lets_the_grammar_end_it(llm):
+    """Regression: ``min_tokens`` forbade the EOS that a complete grammar allows alone, every logit was
+    -inf and the sampler emitted token 0 outside the grammar. The grammar wins: the output is exactly
+    the grammar's string, finished by EOS."""
+    so = StructuredOutputsParams(regex=r"ab-cd")
+    plain = llm.generate("fox", greedy(so), use_tqdm=False)[0].outputs[0]
+    out = llm.generate("fox", greedy(so, min_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("ab-cd", "stop")
+    assert out.token_ids == plain.token_ids and 0 not in out.token_ids
+    llm.llm_engine.check_integrity()
+
+
 def test_same_constraint_compiles_once(llm):
     manager = llm.llm_engine.grammar_gate.manager
     so1 = StructuredOutputsParams(json={"type": "object", "properties": {"q": {"type": "boolean"}}})

@@ -70,6 +70,7 @@ def _results():
                     "offline": {"total_tok_s": 600.0, "output_tok_s": 90.0},
                     "decode_b1": {"decode_tok_s": 40.0, "tpot_ms": 25.0},
                     "server_tpot": {"median_tpot_ms": 30.0},
+                    "server_overhead": {"outside_model_frac": 0.125},
                     "serve": {"median_ttft_ms": 300.0, "p99_ttft_ms": 900.0, "median_itl_ms": 50.0,
                               "p99_itl_ms": 500.0},
                     "stall": {"max_itl_ms": 900.0, "long_ttft_ms": 6000.0}},
@@ -101,6 +102,10 @@ def test_rows_carry_issue_12_goals(vs):
     assert rows["stall, max ITL of the streams [float32]"].ratio == pytest.approx(0.225)
     tpot = rows["segserve TPOT batch 1, server (ours) vs offline (base) [float32]"]
     assert tpot.ratio == pytest.approx(1.2) and tpot.passed is False
+    overhead = "segserve loop outside the model, concurrent streams (ours) vs 10 % (base)"
+    got = rows[f"{overhead} [float32]"]
+    assert (got.ours, got.base, got.passed) == (12.5, 10.0, False)
+    assert rows[f"{overhead} [bfloat16]"].passed is None
     assert rows["prefix, TTFT p50 [float32]"].passed is None  # not measured
     assert rows["prefill 1,024 tokens [float32]"].op is None
 

@@ -200,6 +200,7 @@ def make_server(
     metrics = EngineMetrics(names[0], max_model_len=llm_engine.max_model_len)
     metrics.describe_engine(llm_engine, budget_source)
     engine = AsyncLLMEngine(llm_engine, max_waiting_requests, observers=(metrics, StatLogger(log_interval_s)))
+    metrics.watch_loop(engine)
     engine.start()
     app = build_app(engine, names, metrics, max_request_body_bytes, cache_salt_by_api_key, api_key,
                     tool_parser)

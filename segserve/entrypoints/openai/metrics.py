@@ -20,7 +20,12 @@ segserve's own, under ``segserve:``: ``segserve:max_num_batched_tokens`` (the st
 labels are the cache settings), and the step model's live error when the engine has a
 ``step_monitor``: the histogram ``segserve:step_time_predicted_over_actual`` (one observation per
 step: predicted / measured step time) and the gauge ``segserve:step_time_prediction_median_error``
-(median ``|predicted / actual - 1|`` over the monitor's last window).
+(median ``|predicted / actual - 1|`` over the monitor's last window). Where the engine loop's time
+goes, read at scrape time (``watch_loop``): the counters ``segserve:engine_busy_seconds`` (wall time
+of loop iterations that stepped: queued commands, the step, these observers),
+``segserve:engine_step_seconds`` (inside ``LLMEngine.step``) and ``segserve:model_execute_seconds``
+(inside the model runner: forward and sampling); ``1 - model / busy`` over an interval is the share of
+the loop spent outside the model (issue 12's lean-server check, ``benchmarks/server_overhead.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import logging
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from segserve.core.scheduler_stats import SchedulerStats
 from segserve.engine.async_engine import StepInfo
@@ -137,6 +144,10 @@ class EngineMetrics:
             num_gpu_blocks=str(engine.num_kv_blocks),
         ).set(1)
 
+    def watch_loop(self, engine) -> None:
+        """Export ``engine``'s (an ``AsyncLLMEngine``) loop, step and model seconds at scrape time."""
+        self.registry.register(_LoopTimeCollector(engine, self.labels))
+
     def on_step(self, info: StepInfo) -> None:
         """Update gauges and counters from one step (engine thread)."""
         labels = self.labels
@@ -210,6 +221,29 @@ class EngineMetrics:
         """An aborted request sends no final output: count it and drop its state (engine thread)."""
         self._last_token.pop(request_id, None)
         self.success.labels(**self.labels, finished_reason="abort").inc()
+
+
+class _LoopTimeCollector(Collector):
+    """The three time counters of ``EngineMetrics.watch_loop``, read from the live engine: plain float
+    attributes written by the engine thread, so a scrape costs the engine nothing."""
+
+    COUNTERS = (
+        ("segserve:engine_busy_seconds", "Wall time of engine-loop iterations that ran a step", "busy"),
+        ("segserve:engine_step_seconds", "Time inside LLMEngine.step", "step"),
+        ("segserve:model_execute_seconds", "Time inside the model runner (forward and sampling)", "model"),
+    )
+
+    def __init__(self, engine, labels: dict[str, str]) -> None:
+        self.engine = engine
+        self.labels = labels
+
+    def collect(self):
+        values = {"busy": self.engine.busy_seconds, "step": self.engine.engine.step_seconds,
+                  "model": self.engine.engine.model_seconds}
+        for name, doc, key in self.COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), values[key])
+            yield family
 
 
 @dataclass
