@@ -61,7 +61,7 @@ class _LinearArgs(ctypes.Structure):
     _fields_ = [
         ("size", _L), ("dt", _I), ("ydt", _I), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L),
         ("prologue", _I), ("norm_w", _P), ("eps", _F), ("w", _P), ("bias", _P), ("y", _P), ("ldy", _L),
-        ("accumulate", _I), ("wqt", _I),
+        ("accumulate", _I), ("wqt", _I), ("xq8", _I),
     ]
 
 
@@ -116,7 +116,7 @@ class _DecodeStackArgs(ctypes.Structure):
         ("M", _L), ("H", _L), ("I", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("eps", _F), ("h", _P),
         ("cos", _P), ("ssin", _P), ("num_blocks", _L), ("block_size", _L), ("n", _L), ("slot_mapping", _P),
         ("rows", _P), ("block_table", _P), ("ld_bt", _L), ("reqs", _P), ("lens", _P), ("seg", _L),
-        ("scale", _F),
+        ("scale", _F), ("xq8", _I),
     ]
 
 
@@ -636,9 +636,12 @@ class DecodeStack:
         lens: torch.Tensor,
         kv_segment_size: int,
         scale: float,
+        int8: bool = False,
     ) -> torch.Tensor:
         """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned;
-        ``kv_caches`` one per layer, each of the shape the stack was built for.
+        ``kv_caches`` one per layer, each of the shape the stack was built for. ``int8``: the GGUF-block
+        projections round their input rows to int8 blocks first (``quant.linear``'s ``int8``; the
+        caller checks the library has that kernel).
 
         Rows ``0..n-1`` are the decodes (row ``j`` is block-table row ``j``), ``n = len(lens)``; the
         rest are padding. ``cos``/``sin`` ``(M, D)`` float32 RoPE rows; ``slot_mapping`` ``(n,)``
@@ -681,7 +684,7 @@ class DecodeStack:
         a.slot_mapping, a.rows = slot_mapping.data_ptr(), self._arange.data_ptr()
         a.reqs = a.rows  # decode j is batch row j and block-table row j
         a.block_table, a.ld_bt, a.lens = block_table.data_ptr(), block_table.shape[1], lens.data_ptr()
-        a.seg, a.scale = kv_segment_size, scale
+        a.seg, a.scale, a.xq8 = kv_segment_size, scale, bool(int8)
         rc = _library().sg_decode_stack(a)
         if rc == -1:
             raise ValueError(

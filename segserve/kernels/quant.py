@@ -9,6 +9,11 @@ Both check what the C code relies on and raise ``ValueError`` naming the bad val
 Switch: ``SEGSERVE_QUANT=0`` turns these kernels off for the process (callers then dequantize with
 ``gguf_blocks.dequantize_torch`` and use PyTorch's matmuls); :func:`set_enabled` at run time. They are
 also off whenever the compiled CPU kernels are (``cpu.enabled``).
+
+Int8 activations: ``SEGSERVE_QUANT_INT8=1`` (or :func:`set_int8`) makes :func:`linear` round each
+32-value block of its input rows to int8 under a float32 scale and take integer dot products with the
+blocks (AVX-512 VNNI, ``csrc/segserve_quant_vnni.c``; llama.cpp's method). Off by default: it is not the
+weights-only product (each activation moves by up to amax(block) / 254), see :func:`int8_enabled`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ _I = ctypes.c_int32
 _L = ctypes.c_int64
 
 _switch = Switch("SEGSERVE_QUANT")
+_int8_switch = Switch("SEGSERVE_QUANT_INT8", default=False)
 
 
 @cpu_kernels._sized
@@ -65,6 +71,23 @@ def disabled():
     return _switch.off()
 
 
+def int8_built() -> bool:
+    """Whether the compiled library has the int8-activation kernel (it was built for AVX-512 VNNI)."""
+    lib = _library()
+    return lib is not None and bool(lib.sg_quant_int8_built())
+
+
+def int8_enabled() -> bool:
+    """True when :func:`linear` rounds activations to int8 by default: ``SEGSERVE_QUANT_INT8`` or
+    :func:`set_int8` asked for it, these kernels are on and the library has the VNNI kernel."""
+    return _int8_switch.on and enabled() and int8_built()
+
+
+def set_int8(flag: bool) -> bool:
+    """Switch the int8-activation path on or off for this process; returns the previous setting."""
+    return _int8_switch.set(flag)
+
+
 def unavailable_reason() -> str | None:
     """Why these kernels are off: their switch, or the compiled kernels' reason (None when on)."""
     if not _switch.on:
@@ -87,6 +110,7 @@ def linear(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    int8: bool | None = None,
 ) -> torch.Tensor:
     """``prologue(x) @ dequantize(weight).T + bias``, streaming the blocks once for all rows.
 
@@ -97,19 +121,27 @@ def linear(
         prologue, norm_weight, eps, residual: as ``cpu.linear`` (``residual`` ``(M, N)`` in x's dtype,
             updated in place as ``residual += result``, the product rounded to the dtype first).
         out_dtype: dtype of a new output (default x's); float32 for logits.
+        int8: round ``prologue(x)`` to int8 per 32-value block first (None: :func:`int8_enabled`).
 
     Numerics: the weights are the exact dequantized values, multiplied with x in float32 (bfloat16
     x widened exactly) and summed in float32; the result rounded to x's dtype as ``F.linear`` would.
+    With ``int8``, x is first rounded to ``q * amax / 127`` per block of 32 (``q`` int8, nearest even),
+    so each output moves by at most ``sum over blocks of amax / 254 * sum |w|`` from the float result.
     Meant for a few rows (decode steps): each tile of weights is dequantized once per 8 rows.
 
     Returns:
         ``(M, N)``: ``residual`` when given, else a new tensor.
 
     Raises:
-        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit).
+        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit),
+            or ``int8=True`` where the library lacks the VNNI kernel.
     """
     _check_weight(weight)
     n, k = weight.shape
+    if int8 is None:
+        int8 = int8_enabled()
+    elif int8 and not int8_built():
+        raise ValueError("int8=True needs the AVX-512 VNNI kernel, which this CPU or build lacks")
     dt = cpu_kernels._dtype_code(x, "x")
     if prologue not in cpu_kernels._PROLOGUES:
         raise ValueError(f"prologue must be 'rmsnorm', 'silu_mul' or None, got {prologue!r}")
@@ -148,7 +180,7 @@ def linear(
         prologue=cpu_kernels._PROLOGUES[prologue],
         norm_w=None if norm_weight is None else norm_weight.data_ptr(), eps=eps, w=weight.data.data_ptr(),
         bias=None if bias is None else bias.data_ptr(), y=y.data_ptr(), ldy=n,
-        accumulate=residual is not None, wqt=weight.wqt,
+        accumulate=residual is not None, wqt=weight.wqt, xq8=bool(int8),
     )
     cpu_kernels._check(_library().sg_linear(args), "sg_linear")
     return y

@@ -1,8 +1,8 @@
 """A process-wide on/off switch for one compiled kernel family, read from the environment once.
 
-``SEGSERVE_CPU_KERNELS``, ``SEGSERVE_AMX``, ``SEGSERVE_CHUNK_ATTENTION`` and ``SEGSERVE_QUANT`` each name
-one: a value of 0/false/off/no turns that family off for the process, anything else (or unset) leaves it
-on.
+``SEGSERVE_CPU_KERNELS``, ``SEGSERVE_AMX``, ``SEGSERVE_CHUNK_ATTENTION``, ``SEGSERVE_QUANT`` and
+``SEGSERVE_QUANT_INT8`` each name one: a value of 0/false/off/no turns that family off for the process,
+anything else turns it on; unset leaves the family's default (on for all but ``SEGSERVE_QUANT_INT8``).
 Benchmarks and tests flip a switch at run time with :meth:`Switch.set` or ``with switch.off():``.
 """
 
@@ -15,17 +15,21 @@ from contextlib import contextmanager
 _OFF = ("0", "false", "off", "no")
 
 
-def env_on(var: str) -> bool:
-    """Whether the environment leaves ``var`` on: unset, or not one of 0/false/off/no."""
-    return os.environ.get(var, "1").strip().lower() not in _OFF
+def env_on(var: str, default: bool = True) -> bool:
+    """Whether the environment leaves ``var`` on: not one of 0/false/off/no (unset: ``default``)."""
+    value = os.environ.get(var)
+    if value is None:
+        return default
+    return value.strip().lower() not in _OFF
 
 
 class Switch:
-    """One kernel family's switch: starts at :func:`env_on` of ``var``; :attr:`on` is the setting."""
+    """One kernel family's switch: starts at :func:`env_on` of ``var`` (``default`` when unset); :attr:`on`
+    is the setting."""
 
-    def __init__(self, var: str) -> None:
+    def __init__(self, var: str, default: bool = True) -> None:
         self.var = var
-        self.on = env_on(var)
+        self.on = env_on(var, default)
 
     def __bool__(self) -> bool:
         return self.on

@@ -60,6 +60,9 @@ class CpuStep:
         self.model = model
         self._packed_lm_head: torch.Tensor | None = None
         self._kernel_fit: dict[torch.dtype, bool] = {}
+        # Whether any projection is GGUF blocks: asked every step, and walking model.modules() for it
+        # cost 0.7-0.9 ms a batch-1 step (timed alone, load 6.5); forgotten with the fit answers.
+        self._has_blocks: bool | None = None
         self._stack: cpu_kernels.DecodeStack | None = None
         self._stack_key: tuple | None = None
         # Per layer (qkv, o, gate_up, down) in the AMX tile layout, when prepack() made them.
@@ -87,6 +90,7 @@ class CpuStep:
             linears = [m for m in linears if id(m) not in amx_packed]
         count = sum(m.pack() for m in linears) + (0 if self._amx_weights is None else 4 * len(model.layers))
         self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
+        self._has_blocks = None
         self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
         if model.quantized_lm_head is not None:  # kept in blocks: nothing to pack
             self._packed_lm_head = None
@@ -136,7 +140,8 @@ class CpuStep:
         stack = self.decode_stack(h, kv_caches, metadata)
         if stack is not None:  # a decode-only step: every layer in one compiled call
             stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
-                      metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale)
+                      metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale,
+                      int8=quant.int8_enabled())
             return model.norm(h)
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             h = forward_small(layer, h, cos, sin, kv_cache, metadata)
@@ -208,11 +213,13 @@ class CpuStep:
         model = self.model
         if model.activation_dtype != dtype:
             return False
-        linears = _linears(model)
-        if any(isinstance(m, QuantLinear) for m in linears) and not quant.enabled():
+        if self._has_blocks is None:
+            self._has_blocks = any(isinstance(m, QuantLinear) for m in _linears(model))
+        if self._has_blocks and not quant.enabled():
             return False  # SEGSERVE_QUANT=0: the model's own (dequantize-then-matmul) forward
         fits = self._kernel_fit.get(dtype)
         if fits is None:
+            linears = _linears(model)
             fits = model.config.head_dim <= _MAX_ROPE_HEAD_DIM and all(
                 isinstance(m, QuantLinear)
                 or (cpu_kernels.supports_linear(m.weight) and m.weight.dtype == dtype)

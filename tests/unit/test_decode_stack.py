@@ -87,7 +87,7 @@ def test_decode_stack_equals_the_eager_layers(tiny, dtype, monkeypatch) -> None:
         runs = []
         real_run = cpu_kernels.DecodeStack.run
         monkeypatch.setattr(
-            cpu_kernels.DecodeStack, "run", lambda self, *a: runs.append(1) or real_run(self, *a)
+            cpu_kernels.DecodeStack, "run", lambda self, *a, **k: runs.append(1) or real_run(self, *a, **k)
         )
         n, pad = 3, 1
         got = _decode_step(model, caches, rows, True, n, pad)

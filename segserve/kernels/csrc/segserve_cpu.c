@@ -48,7 +48,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define NT 4 /* rows of W per register tile */
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 6; }
+int sg_abi_version(void) { return 7; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -266,6 +266,7 @@ typedef struct {
     int64_t ldy;        /* row stride of y, elements */
     int32_t accumulate; /* nonzero: y = round(y + round(W x)), the eager ``h.add_(linear(x))`` */
     int32_t wqt;        /* format of w: WQT_DENSE ((N, K) dt values) or a GGUF block type (segserve_quant.h) */
+    int32_t xq8;        /* block-format w only: nonzero rounds x to int8 blocks first (sg_quant_matmul_i8) */
 } sg_linear_args;
 
 /* sg_linear for a weight in a GGUF block format: the prologue's rows (or x) widened to float32, then
@@ -292,8 +293,8 @@ static int quant_linear(const sg_linear_args *a) {
         xf = buf;
         ld = K;
     }
-    int rc = sg_quant_matmul(dt, a->ydt, a->wqt, M, a->N, K, xf, ld, a->w, a->bias, a->y, a->ldy,
-                             a->accumulate);
+    int rc = (a->xq8 ? sg_quant_matmul_i8 : sg_quant_matmul)(dt, a->ydt, a->wqt, M, a->N, K, xf, ld, a->w,
+                                                             a->bias, a->y, a->ldy, a->accumulate);
     free(buf);
     return rc;
 }
@@ -760,6 +761,7 @@ typedef struct {
     const int64_t *lens;         /* (n,) tokens each decode attends to, its own included */
     int64_t seg;                 /* tokens per KV segment, the most (see decode_attention) */
     float scale;                 /* softmax scale */
+    int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
 } sg_decode_stack_args;
 
 /* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
@@ -800,7 +802,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         const sg_layer *ly = &a->layers[l];
         rc = sg_linear(&(sg_linear_args){
             .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = nqkv, .K = H, .x = h, .ldx = H,
-            .prologue = PRO_RMSNORM, .norm_w = ly->ln1, .eps = a->eps, .w = ly->qkv, .wqt = ly->qkv_wqt, .bias = ly->qkv_bias,
+            .prologue = PRO_RMSNORM, .norm_w = ly->ln1, .eps = a->eps, .w = ly->qkv, .wqt = ly->qkv_wqt, .xq8 = a->xq8, .bias = ly->qkv_bias,
             .y = qkv, .ldy = nqkv});
         if (rc == OK)
             rc = sg_rope(&(sg_rope_args){
@@ -818,16 +820,16 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         if (rc == OK)
             rc = sg_linear(&(sg_linear_args){
                 .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = nq, .x = attn,
-                .ldx = nq, .prologue = PRO_NONE, .w = ly->o, .wqt = ly->o_wqt, .y = h, .ldy = H, .accumulate = 1});
+                .ldx = nq, .prologue = PRO_NONE, .w = ly->o, .wqt = ly->o_wqt, .xq8 = a->xq8, .y = h, .ldy = H, .accumulate = 1});
         if (rc == OK)
             rc = sg_linear(&(sg_linear_args){
                 .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = 2 * I, .K = H, .x = h,
-                .ldx = H, .prologue = PRO_RMSNORM, .norm_w = ly->ln2, .eps = a->eps, .w = ly->gate_up, .wqt = ly->gate_up_wqt,
+                .ldx = H, .prologue = PRO_RMSNORM, .norm_w = ly->ln2, .eps = a->eps, .w = ly->gate_up, .wqt = ly->gate_up_wqt, .xq8 = a->xq8,
                 .y = gate_up, .ldy = 2 * I});
         if (rc == OK)
             rc = sg_linear(&(sg_linear_args){
                 .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = I, .x = gate_up,
-                .ldx = 2 * I, .prologue = PRO_SILU_MUL, .w = ly->down, .wqt = ly->down_wqt, .y = h, .ldy = H, .accumulate = 1});
+                .ldx = 2 * I, .prologue = PRO_SILU_MUL, .w = ly->down, .wqt = ly->down_wqt, .xq8 = a->xq8, .y = h, .ldy = H, .accumulate = 1});
     }
     free(qkv);
     free(attn);

@@ -25,4 +25,18 @@ int64_t sg_quant_block_bytes(int wqt);
 int sg_quant_matmul(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
                     int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate);
 
+/* The same product with the activations quantized to int8 first (segserve_quant_vnni.c): each row of xf
+ * in blocks of 32 values, q = round(x * 127 / amax(block)) with the float32 scale amax / 127 kept, then
+ * integer dot products of q with the stored nibbles or bytes (AVX-512 VNNI vpdpbusd), each block's sum
+ * scaled by the two blocks' scales in float32 (Q4_1's m term times the rounded block's sum): the exact
+ * product of the dequantized weights with the rounded x, up to float32 summation.
+ * The approach is llama.cpp's (ggml-cpu's Q8_0 / Q8_1 activation blocks and its vec_dot kernels).
+ * Arguments, shapes and returns as sg_quant_matmul; -2 (ERR_NOMEM) when the row buffer cannot be had;
+ * -1 also when the library was built for a CPU without AVX-512 VNNI (see sg_quant_int8_built). */
+int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
+                       int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate);
+
+/* 1 when this library was compiled with AVX-512 VNNI (sg_quant_matmul_i8 works), else 0. */
+int sg_quant_int8_built(void);
+
 #endif
