@@ -161,7 +161,7 @@ class ModelRunner:
             # logprobs mode "raw_logprobs").
             wants_logprobs = any(s.sampling_params.logprobs is not None for s in states)
             raw = logits.clone() if wants_logprobs else None
-            held_back = self._mask_stop_tokens(logits, states)
+            held_back = self._mask_stop_tokens(logits, states, keep=grammar is not None)
             self._process_logits(logits, states)
             apply_grammar_bitmask(logits, rids, grammar)
             if grammar is not None and held_back:
@@ -182,11 +182,12 @@ class ModelRunner:
             sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
         )
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RunnerRequest]
+    def _mask_stop_tokens(self, logits: torch.Tensor, states: list[RunnerRequest], keep: bool = False
                           ) -> dict[int, tuple[list[int], torch.Tensor]]:
         """Forbid EOS and stop ids while a request has generated fewer than ``min_tokens`` (vLLM).
 
-        Returns row -> (the banned token ids, their logits before the ban), for ``_let_grammar_end``.
+        Returns, with ``keep`` (a grammar constrains the step), row -> (the banned token ids, their
+        logits before the ban) for ``_let_grammar_end``; otherwise nothing is copied and it is empty.
         """
         held_back = {}
         for row, s in enumerate(states):
@@ -197,7 +198,8 @@ class ModelRunner:
             if s.eos_token_id is not None and not params.ignore_eos:
                 banned.append(s.eos_token_id)
             if banned:
-                held_back[row] = (banned, logits[row, banned].clone())
+                if keep:
+                    held_back[row] = (banned, logits[row, banned].clone())
                 logits[row, banned] = float("-inf")
         return held_back
 

@@ -25,7 +25,8 @@ goes, read at scrape time (``watch_loop``): the counters ``segserve:engine_busy_
 of loop iterations that stepped: queued commands, the step, these observers),
 ``segserve:engine_step_seconds`` (inside ``LLMEngine.step``) and ``segserve:model_execute_seconds``
 (inside the model runner: forward and sampling); ``1 - model / busy`` over an interval is the share of
-the loop spent outside the model (issue 12's lean-server check, ``benchmarks/server_overhead.py``).
+the loop spent outside the model (issue 12's lean-server check: ``benchmarks/vs_vllm.py``'s
+``server_overhead``).
 """
 
 from __future__ import annotations
