@@ -72,4 +72,19 @@ static inline void epilogue(int dt, int ydt, int accumulate, const void *bias, f
     q_store(y, at, v, ydt);
 }
 
+/* The row-tile dispatch both block kernels share: rows per tile mt (1..8, as the caller split M) picks
+ * how many weight rows a tile takes (8 for one row, 4 for 2-4, 2 for 5-8: the accumulators a tile keeps
+ * in registers), sets `groups` (tiles over N) and runs PASS(WQT, NT, MT) over them. */
+#define Q_PASS_FOR_ROWS(PASS, WQT)                                                                         \
+    switch (mt) {                                                                                          \
+    case 1: groups = (N + 7) / 8; PASS(WQT, 8, 1); break;                                                  \
+    case 2: groups = (N + 3) / 4; PASS(WQT, 4, 2); break;                                                  \
+    case 3: groups = (N + 3) / 4; PASS(WQT, 4, 3); break;                                                  \
+    case 4: groups = (N + 3) / 4; PASS(WQT, 4, 4); break;                                                  \
+    case 5: groups = (N + 1) / 2; PASS(WQT, 2, 5); break;                                                  \
+    case 6: groups = (N + 1) / 2; PASS(WQT, 2, 6); break;                                                  \
+    case 7: groups = (N + 1) / 2; PASS(WQT, 2, 7); break;                                                  \
+    default: groups = (N + 1) / 2; PASS(WQT, 2, 8); break;                                                 \
+    }
+
 #endif

@@ -180,18 +180,6 @@ static inline __attribute__((always_inline)) void qtile_i8(int wqt, int nt, int 
         }                                                                                                  \
     } while (0)
 
-#define VPASS_FOR_ROWS(WQT)                                                                                \
-    switch (mt) {                                                                                          \
-    case 1: groups = (N + 7) / 8; VPASS(WQT, 8, 1); break;                                                 \
-    case 2: groups = (N + 3) / 4; VPASS(WQT, 4, 2); break;                                                 \
-    case 3: groups = (N + 3) / 4; VPASS(WQT, 4, 3); break;                                                 \
-    case 4: groups = (N + 3) / 4; VPASS(WQT, 4, 4); break;                                                 \
-    case 5: groups = (N + 1) / 2; VPASS(WQT, 2, 5); break;                                                 \
-    case 6: groups = (N + 1) / 2; VPASS(WQT, 2, 6); break;                                                 \
-    case 7: groups = (N + 1) / 2; VPASS(WQT, 2, 7); break;                                                 \
-    default: groups = (N + 1) / 2; VPASS(WQT, 2, 8); break;                                                \
-    }
-
 int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
                        int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate) {
     const int64_t bb = sg_quant_block_bytes(wqt), nb = K / 32, rb = nb * bb, np = (nb + 1) / 2;
@@ -209,15 +197,14 @@ int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
         int mt = M - m0 < 8 ? (int)(M - m0) : 8;
         int64_t groups;
-        if (wqt == WQT_Q8_0) { VPASS_FOR_ROWS(WQT_Q8_0) }
-        else if (wqt == WQT_Q4_0) { VPASS_FOR_ROWS(WQT_Q4_0) }
-        else { VPASS_FOR_ROWS(WQT_Q4_1) }
+        if (wqt == WQT_Q8_0) { Q_PASS_FOR_ROWS(VPASS, WQT_Q8_0) }
+        else if (wqt == WQT_Q4_0) { Q_PASS_FOR_ROWS(VPASS, WQT_Q4_0) }
+        else { Q_PASS_FOR_ROWS(VPASS, WQT_Q4_1) }
     }
     free(buf);
     return V_OK;
 }
 
-#undef VPASS_FOR_ROWS
 #undef VPASS
 
 #else /* built without AVX-512 VNNI: the int8 path is refused, the float one stays */
