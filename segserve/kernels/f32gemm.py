@@ -99,11 +99,13 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
                          f"strides {x.stride()}")
     m = x.shape[0]
     if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous ({n},) float32 tensor, got {tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(f"bias must be a contiguous ({n},) float32 tensor, got {tuple(bias.shape)} "
+                         f"{bias.dtype}")
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be ({m}, {n}) float32 with contiguous rows, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(f"out must be ({m}, {n}) float32 with contiguous rows, got {tuple(out.shape)} "
+                         f"{out.dtype}")
     elif cpu_kernels._overlap(out, x):
         raise ValueError("out must not overlap x")
     if m == 0:
