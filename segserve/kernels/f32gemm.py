@@ -74,10 +74,11 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     """``x @ dequantize(weight).T + bias`` in float32.
 
     Args:
-        x: ``(M, K)`` float32 CPU tensor, rows contiguous (any row stride >= K).
+        x: ``(M, K)`` float32 CPU tensor, rows contiguous and apart (row stride >= K).
         weight: ``(N, K)`` Q4_0 / Q4_1 / Q8_0 blocks.
         bias: ``(N,)`` contiguous float32, or None.
-        out: ``(M, N)`` float32 tensor with contiguous rows to write into (must not overlap x), or None.
+        out: ``(M, N)`` float32 tensor to write into, rows contiguous and apart (row stride >= N), not
+            overlapping x; or None.
 
     Numerics: float32 products of x with the exact dequantized weights, summed in float32 in k order
     within blocks of at most 768 values (the blocks' sums then added in order): equal to
@@ -94,7 +95,8 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
         raise ValueError(f"weight must be a QuantWeight on the CPU, got {type(weight).__name__}")
     n, k = weight.shape
     cpu_kernels._on_cpu(x=x, bias=bias, out=out)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or (
+            x.shape[0] > 1 and x.stride(0) < k):
         raise ValueError(f"x must be (M, {k}) float32 with contiguous rows, got {tuple(x.shape)} {x.dtype} "
                          f"strides {x.stride()}")
     m = x.shape[0]
@@ -103,7 +105,8 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
                          f"{bias.dtype}")
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
-    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1 or (
+            m > 1 and out.stride(0) < n):
         raise ValueError(f"out must be ({m}, {n}) float32 with contiguous rows, got {tuple(out.shape)} "
                          f"{out.dtype}")
     elif cpu_kernels._overlap(out, x):

@@ -109,6 +109,7 @@ def test_switch_follows_the_block_kernels():
     (lambda x, w: (x.to(torch.bfloat16), w, None), "float32"),
     (lambda x, w: (x[:, :32], w, None), r"\(M, 64\)"),
     (lambda x, w: (x, w, torch.zeros(3)), "bias"),
+    (lambda x, w: (x[:1].expand(70, 64), w, None), "float32 with contiguous rows"),  # rows not apart
 ])
 def test_bad_input_is_named(bad, match):
     w = random_blocks("Q4_0", 8, 64)
