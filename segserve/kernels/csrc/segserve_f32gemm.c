@@ -43,6 +43,9 @@ enum { MR = 6, NR = 64, NV = NR / 16 };
 /* Most k per block: 768 keeps the A micro-panel (6 x 768 floats, 18 KB) in a 32-48 KB L1 beside the
  * lines of B in flight; K = 1536 then runs as two blocks of 768. */
 #define KC_MAX 768
+#ifndef G_STEAL
+#define G_STEAL 1
+#endif
 
 typedef struct {
     int64_t size;      /* sizeof(sg_f32gemm_args) */
@@ -242,6 +245,64 @@ static int gemm_columns(const sg_f32gemm_args *a, int64_t c0, int64_t c1, int64_
     return G_OK;
 }
 
+#if G_STEAL
+/* Takes one item of the range packed in *r (first item << 32 | end): the front for its owner, the back
+ * for a thief. Returns 0 when the range is empty. */
+static int take_item(uint64_t *r, int back, int64_t *item) {
+    uint64_t v = __atomic_load_n(r, __ATOMIC_ACQUIRE);
+    for (;;) {
+        uint64_t f = v >> 32, e = v & 0xffffffffu;
+        if (f >= e) return 0;
+        uint64_t nv = back ? (f << 32) | (e - 1) : ((f + 1) << 32) | e;
+        if (__atomic_compare_exchange_n(r, &v, nv, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *item = back ? (int64_t)e - 1 : (int64_t)f;
+            return 1;
+        }
+    }
+}
+
+/* Work items: column block jc (cw columns, all of K packed at once) x row block (rh rows), numbered
+ * jc-major. Thread t owns a contiguous share of column blocks and walks its items front to back,
+ * packing each column block once; a thread that runs out takes items from the back of the others'
+ * (packing that block itself: a few percent of the item), so a thread the OS preempts on a shared
+ * host delays the step by its last item, not by half the step. */
+static void gemm_items(const sg_f32gemm_args *a, uint64_t *ranges, int t, int nt, int64_t cw, int64_t rh,
+                       int64_t nrow, int64_t kcb, int *rc) {
+    const int wqt = a->wqt;
+    const int64_t M = a->M, N = a->N, K = a->K, bb = sg_quant_block_bytes(wqt), rb = K / 32 * bb;
+    float *buf = thread_buffer((size_t)K * cw * sizeof(float));
+    if (!buf) {
+        __atomic_store_n(rc, G_ERR_NOMEM, __ATOMIC_RELAXED);
+        return;
+    }
+    int64_t packed = -1, it;
+    for (;;) {
+        int got = take_item(&ranges[t], 0, &it);
+        for (int v = 1; v < nt && !got; v++) got = take_item(&ranges[(t + v) % nt], 1, &it);
+        if (!got) return;
+        const int64_t jc = it / nrow, j0 = jc * cw, nc = N - j0 < cw ? N - j0 : cw, nc16 = (nc + 15) / 16 * 16;
+        if (jc != packed) {
+            for (int64_t k0 = 0; k0 < K; k0 += kcb) {
+                const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
+                float *bp = buf + k0 * cw;
+                switch (wqt) {
+                case WQT_Q8_0: pack_b(WQT_Q8_0, a->w, N, rb, bb, j0, nc16, k0 / 32, kc / 32, bp); break;
+                case WQT_Q4_0: pack_b(WQT_Q4_0, a->w, N, rb, bb, j0, nc16, k0 / 32, kc / 32, bp); break;
+                default: pack_b(WQT_Q4_1, a->w, N, rb, bb, j0, nc16, k0 / 32, kc / 32, bp); break;
+                }
+            }
+            packed = jc;
+        }
+        const int64_t r0 = (it % nrow) * rh, r1 = M - r0 < rh ? M : r0 + rh;
+        for (int64_t k0 = 0; k0 < K; k0 += kcb) {
+            const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
+            for (int64_t i0 = r0; i0 < r1; i0 += MR)
+                for (int64_t p0 = 0; p0 < nc; p0 += NR) tile(a, i0, j0, p0, k0, nc, kc, buf + k0 * cw);
+        }
+    }
+}
+#endif
+
 /* The product described at the top of the file. Returns G_OK, G_ERR_LAYOUT (struct of another size),
  * G_ERR_SHAPE (a bad shape, stride or format) or G_ERR_NOMEM (a packing buffer could not be had;
  * y is then partly written). */
@@ -255,8 +316,20 @@ int sg_f32gemm(const sg_f32gemm_args *a) {
     const int64_t kcb = ((K / 32 + kblocks - 1) / kblocks) * 32;
     int64_t ncb = B_BLOCK_BYTES / ((int64_t)sizeof(float) * kcb) / NR * NR;
     if (ncb < NR) ncb = NR;
-    const int64_t groups = (N + 15) / 16;
     int rc = G_OK;
+#if G_STEAL
+    const int nt = omp_get_max_threads();
+    const int64_t ncol = (N + ncb - 1) / ncb, want = (M + 7) / 8 < 48 ? 48 : (M + 7) / 8;
+    const int64_t rh = (want + MR - 1) / MR * MR, nrow = (M + rh - 1) / rh;
+    uint64_t *ranges = malloc(sizeof(uint64_t) * (size_t)nt);
+    if (!ranges) return G_ERR_NOMEM;
+    for (int t = 0; t < nt; t++)
+        ranges[t] = ((uint64_t)(ncol * t / nt * nrow) << 32) | (uint64_t)(ncol * (t + 1) / nt * nrow);
+#pragma omp parallel num_threads(nt)
+    gemm_items(a, ranges, omp_get_thread_num(), nt, ncb, rh, nrow, kcb, &rc);
+    free(ranges);
+#else
+    const int64_t groups = (N + 15) / 16;
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -269,5 +342,6 @@ int sg_f32gemm(const sg_f32gemm_args *a) {
             }
         }
     }
+#endif
     return rc;
 }
