@@ -15,9 +15,10 @@
  *   - micro-kernel: 6 x 64 outputs in 24 zmm accumulators, per k one 64-float row of the B panel (4
  *     loads) and 6 broadcasts of A embedded in vfmadd231ps: 24 independent FMA chains, more than the
  *     2 ports x 4 cycles of latency need.
- * Threads: one OpenMP region per call; the N columns are split between the threads in 16-column
- * groups (each thread packs and computes its own columns only, so no barrier is needed); edge tiles use
- * the same kernel with fewer rows (mr < 6) or zmm columns (nv < 4) and a lane mask on the last column.
+ * Threads: one OpenMP region per call over work items (a column block of packed B x a block of rows),
+ * each thread owning a contiguous share of column blocks and stealing from the others' ends when done
+ * (see gemm_items); no barrier inside. Edge tiles use the same kernel with fewer rows (mr < 6) or zmm
+ * columns (nv < 4) and a lane mask on the last column.
  * Summation order: for each output, k ascending within a KC block, blocks added in order (the first
  * block's sum plus bias is stored, later blocks are added to y): the float32 product of the exact
  * dequantized weights, differing from x @ dequant(w).T only in that order.
@@ -43,9 +44,6 @@ enum { MR = 6, NR = 64, NV = NR / 16 };
 /* Most k per block: 768 keeps the A micro-panel (6 x 768 floats, 18 KB) in a 32-48 KB L1 beside the
  * lines of B in flight; K = 1536 then runs as two blocks of 768. */
 #define KC_MAX 768
-#ifndef G_STEAL
-#define G_STEAL 1
-#endif
 
 typedef struct {
     int64_t size;      /* sizeof(sg_f32gemm_args) */
@@ -219,33 +217,6 @@ static inline void tile(const sg_f32gemm_args *a, int64_t i0, int64_t j0, int64_
               a->bias ? a->bias + n : NULL, k0 > 0, last, apf);
 }
 
-/* One thread's columns [c0, c1) (multiples of 16, c1 may pass N by < 16): blocks of nc columns by kc
- * values, each packed once and swept by every 6-row micro-panel of x. */
-static int gemm_columns(const sg_f32gemm_args *a, int64_t c0, int64_t c1, int64_t kcb, int64_t ncb) {
-    const int wqt = a->wqt;
-    const int64_t M = a->M, N = a->N, K = a->K, bb = sg_quant_block_bytes(wqt), rb = K / 32 * bb;
-    float *buf = thread_buffer((size_t)kcb * ncb * sizeof(float));
-    if (!buf) return G_ERR_NOMEM;
-    for (int64_t j0 = c0; j0 < c1; j0 += ncb) {
-        const int64_t nc = c1 - j0 < ncb ? c1 - j0 : ncb;
-        for (int64_t k0 = 0; k0 < K; k0 += kcb) {
-            const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
-            switch (wqt) {
-            case WQT_Q8_0: pack_b(WQT_Q8_0, a->w, N, rb, bb, j0, nc, k0 / 32, kc / 32, buf); break;
-            case WQT_Q4_0: pack_b(WQT_Q4_0, a->w, N, rb, bb, j0, nc, k0 / 32, kc / 32, buf); break;
-            default: pack_b(WQT_Q4_1, a->w, N, rb, bb, j0, nc, k0 / 32, kc / 32, buf); break;
-            }
-            /* A's 6 rows stay in L1 while B's panels stream from L2. The textbook order (KC = 96-128 so
-             * a B micro-panel sits in L1, A streamed from L2 in 192-row blocks) measured 0.75-0.95x of
-             * this one (single thread, interleaved builds, 2026-12-01). */
-            for (int64_t i0 = 0; i0 < M; i0 += MR)
-                for (int64_t p0 = 0; p0 < nc; p0 += NR) tile(a, i0, j0, p0, k0, nc, kc, buf);
-        }
-    }
-    return G_OK;
-}
-
-#if G_STEAL
 /* Takes one item of the range packed in *r (first item << 32 | end): the front for its owner, the back
  * for a thief. Returns 0 when the range is empty. */
 static int take_item(uint64_t *r, int back, int64_t *item) {
@@ -293,6 +264,9 @@ static void gemm_items(const sg_f32gemm_args *a, uint64_t *ranges, int t, int nt
             }
             packed = jc;
         }
+        /* A's 6 rows stay in L1 while B's panels stream from L2. The textbook order (KC = 96-128 so a
+         * B micro-panel sits in L1, x streamed from L2 in 192-row blocks) measured 0.75-0.95x of this
+         * one (single thread, interleaved builds, 2026-12-01). */
         const int64_t r0 = (it % nrow) * rh, r1 = M - r0 < rh ? M : r0 + rh;
         for (int64_t k0 = 0; k0 < K; k0 += kcb) {
             const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
@@ -301,7 +275,6 @@ static void gemm_items(const sg_f32gemm_args *a, uint64_t *ranges, int t, int nt
         }
     }
 }
-#endif
 
 /* The product described at the top of the file. Returns G_OK, G_ERR_LAYOUT (struct of another size),
  * G_ERR_SHAPE (a bad shape, stride or format) or G_ERR_NOMEM (a packing buffer could not be had;
@@ -316,8 +289,9 @@ int sg_f32gemm(const sg_f32gemm_args *a) {
     const int64_t kcb = ((K / 32 + kblocks - 1) / kblocks) * 32;
     int64_t ncb = B_BLOCK_BYTES / ((int64_t)sizeof(float) * kcb) / NR * NR;
     if (ncb < NR) ncb = NR;
+    /* About 8 row blocks per column block (fine enough to even out two threads), at least 48 rows (a
+     * stolen item then pays for packing its column block several times over). */
     int rc = G_OK;
-#if G_STEAL
     const int nt = omp_get_max_threads();
     const int64_t ncol = (N + ncb - 1) / ncb, want = (M + 7) / 8 < 48 ? 48 : (M + 7) / 8;
     const int64_t rh = (want + MR - 1) / MR * MR, nrow = (M + rh - 1) / rh;
@@ -328,20 +302,5 @@ int sg_f32gemm(const sg_f32gemm_args *a) {
 #pragma omp parallel num_threads(nt)
     gemm_items(a, ranges, omp_get_thread_num(), nt, ncb, rh, nrow, kcb, &rc);
     free(ranges);
-#else
-    const int64_t groups = (N + 15) / 16;
-#pragma omp parallel
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-        if (g1 > g0) {
-            int r = gemm_columns(a, g0 * 16, g1 * 16, kcb, ncb);
-            if (r) {
-#pragma omp atomic write
-                rc = r;
-            }
-        }
-    }
-#endif
     return rc;
 }
