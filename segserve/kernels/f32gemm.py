@@ -40,10 +40,15 @@ class _GemmArgs(ctypes.Structure):
     ]
 
 
+_ARGS = {"sg_f32gemm": _GemmArgs}
+
+
 def _library():
     lib = quant._library()
     if lib is not None and lib.sg_f32gemm.argtypes is None:
-        lib.sg_f32gemm.argtypes, lib.sg_f32gemm.restype = [ctypes.POINTER(_GemmArgs)], ctypes.c_int
+        for name, args in _ARGS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
     return lib
 
 

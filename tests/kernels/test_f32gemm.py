@@ -53,17 +53,22 @@ def test_gemm_equals_the_float64_product_within_the_summation_bound(qtype, m, n,
     assert_within(f32gemm.matmul(x, w, bias), want, tol)
 
 
-def test_thread_count_does_not_change_a_bit():
-    """Each output's summation order is fixed by K alone, not by which thread computes its column."""
-    w = random_blocks("Q4_1", 577, 576, seed=3)
+@pytest.mark.parametrize("n", [577, 100])  # several column blocks per thread; one block (idle owners steal)
+def test_thread_count_does_not_change_a_bit(n):
+    """Each output's summation order is fixed by K alone, not by which thread computes it."""
+    w = random_blocks("Q4_1", n, 576, seed=3)
     x = torch.randn(130, 576, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
+    got = []
     try:
-        torch.set_num_threads(1)
-        one = f32gemm.matmul(x, w)
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            got.append(f32gemm.matmul(x, w))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, f32gemm.matmul(x, w))
+    assert all(torch.equal(got[0], g) for g in got[1:])
+    want, tol = reference(x, w, None)
+    assert_within(got[0], want, tol)
 
 
 def test_strided_rows_and_out_are_honoured():

@@ -48,8 +48,10 @@ enum { MR = 6, NR = 64, NV = NR / 16 };
 typedef struct {
     int64_t size;      /* sizeof(sg_f32gemm_args) */
     int32_t wqt;       /* WQT_Q4_0, WQT_Q4_1 or WQT_Q8_0 */
-    int32_t pad;
-    int64_t M, N, K;   /* M >= 1, N >= 1, K a positive multiple of 32 */
+    int32_t pad;       /* unused: keeps the 64-bit fields aligned as ctypes lays them out */
+    int64_t M;         /* rows of x and y, >= 1 */
+    int64_t N;         /* rows of w, columns of y, >= 1 */
+    int64_t K;         /* a positive multiple of 32 */
     const float *x;    /* (M, K) with row stride ldx (elements), ldx >= K */
     int64_t ldx;
     const void *w;     /* (N, K / 32) blocks, rows contiguous */
