@@ -620,14 +620,15 @@ static int check_decodes(const sg_decode_attention_args *a) {
 
 /* What a step's decode attention shares across its layers (the lengths are the same in every layer):
  * the segment length, each decode's first work item and the partials' buffers. */
-typedef struct {
+struct att_plan { /* internal: no ctypes mirror */
     int64_t seg;    /* tokens per segment, as chosen below */
     int64_t items;  /* work items: segments times KV heads */
     int64_t *first; /* (n + 1,) first segment of decode j */
     float *po;      /* (items, G, D) unnormalised partial outputs */
     float *pm;      /* (items, G) running maxima */
     float *pl;      /* (items, G) sums of exp(score - max) */
-} att_plan;
+};
+typedef struct att_plan att_plan;
 
 static void attention_plan_free(att_plan *p) {
     free(p->first);
