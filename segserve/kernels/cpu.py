@@ -31,6 +31,9 @@ _PROLOGUES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 # oneDNN's bf16 GEMM alone beats the compiled one from 4 rows (bench_gemv: 9.0 vs 11.7 ms at M=4): the
 # ~200 eager ops a step saves weigh more.
 MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
+# Most rows a decode-only step may have to run as one call (``DecodeStack``); see the measurement in
+# the commit that set these (PLACEHOLDER).
+MAX_DECODE_STACK_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")

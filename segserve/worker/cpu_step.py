@@ -131,7 +131,7 @@ class CpuStep:
         dtype, device = model.activation_dtype, model.norm.weight.device
         if not self._kernels_fit(dtype, device):
             return model(input_ids, positions, kv_caches, metadata)
-        if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[dtype]:
+        if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[dtype] and not self._stack_takes(input_ids, metadata):
             amx_weights = self._amx_weights if self._amx_fits(dtype, input_ids.shape[0]) else None
             return forward_chunk(model, input_ids, positions, kv_caches, metadata, amx_weights)
         model.check_kv_caches(kv_caches)
@@ -157,11 +157,7 @@ class CpuStep:
         shape: it holds the weight tensors, so after replacing one (not editing it in place) call
         :meth:`prepack` again, as for the packed copies."""
         model = self.model
-        if (
-            h.shape[0] > cpu_kernels.MAX_SMALL_ROWS[h.dtype] or metadata.max_query_len != 1
-            or metadata.num_actual_tokens != metadata.num_reqs
-            or getattr(model.layers[0].self_attn.attn_backend, "name", None) != SegmentedAttentionBackend.name
-        ):
+        if not self._stack_takes(h, metadata):
             return None
         key = (h.dtype, kv_caches[0].shape, len(kv_caches))
         if self._stack_key != key:
@@ -177,6 +173,17 @@ class CpuStep:
                 except ValueError:  # a shape the whole-step kernel does not take: per-layer path
                     self._stack = None
         return self._stack
+
+    def _stack_takes(self, rows: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Whether a step of ``rows`` (its ``(T,)`` ids or ``(T, H)`` states) is one the decode stack
+        takes: decodes only (one row per request), at most ``MAX_DECODE_STACK_ROWS`` rows, over the
+        segmented backend."""
+        return (
+            rows.shape[0] <= cpu_kernels.MAX_DECODE_STACK_ROWS[self.model.activation_dtype]
+            and metadata.max_query_len == 1 and metadata.num_actual_tokens == metadata.num_reqs
+            and getattr(self.model.layers[0].self_attn.attn_backend, "name", None)
+            == SegmentedAttentionBackend.name
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``
