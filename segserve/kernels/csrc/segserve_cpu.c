@@ -600,7 +600,7 @@ typedef struct {
     int64_t ld_bt;              /* columns of the block table */
     const int64_t *reqs;        /* (n,) the block-table row of each decode, < B */
     const int64_t *lens;        /* (n,) tokens each decode attends to, its own (already written) included */
-    int64_t seg;                /* tokens per KV segment, >= 1 (the most; see decode_attention) */
+    int64_t seg;                /* tokens per KV segment, >= 1 (the most; see attention_plan) */
     float scale;                /* softmax scale */
 } sg_decode_attention_args;
 
@@ -785,7 +785,7 @@ static int decode_attention(const sg_decode_attention_args *a) {
 /* Attention of n decode queries to their cached tokens, read in place through the block table (no
  * gathered copy): decode j reads q row rows[j] and writes out row rows[j] (other rows untouched),
  * attending to the first lens[j] tokens of block-table row reqs[j]. Segments and merge: see
- * decode_attention. Everything every decode reads is checked before anything is read (check_decodes).
+ * attention_plan. Everything every decode reads is checked before anything is read (check_decodes).
  * Returns OK, ERR_LAYOUT, ERR_SHAPE, ERR_ROW, ERR_BLOCK or ERR_NOMEM. */
 int sg_decode_attention(const sg_decode_attention_args *a) {
     if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
@@ -837,7 +837,7 @@ typedef struct {
     int64_t ld_bt;               /* columns of the block table */
     const int64_t *reqs;         /* (n,) must be 0..n-1 */
     const int64_t *lens;         /* (n,) tokens each decode attends to, its own included */
-    int64_t seg;                 /* tokens per KV segment, the most (see decode_attention) */
+    int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
 } sg_decode_stack_args;
