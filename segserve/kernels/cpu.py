@@ -31,6 +31,14 @@ _PROLOGUES = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 # oneDNN's bf16 GEMM alone beats the compiled one from 4 rows (bench_gemv: 9.0 vs 11.7 ms at M=4): the
 # ~200 eager ops a step saves weigh more.
 MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
+# Most rows a decode-only step of a model with GGUF-block projections may have to run as one call
+# (``DecodeStack``) instead of per-layer GEMMs (``forward_chunk``); models without blocks keep
+# MAX_SMALL_ROWS. The float32 block kernel takes any row count (tiles of 8 rows). Measured per step,
+# interleaved in one process (benchmarks/ab_decode_steps.py --mode rows: steps alternating between the
+# paths, 200-token contexts, 2 threads, load average 5.7-6.7): Q4_1 float32 b=16 stack 286 vs
+# forward_chunk 414 ms median (252 vs 366 min), b=32 439 vs 566 (345 vs 443); the bfloat16 export
+# (dense) at b=16 lost, 143 vs 108 ms on AMX, so bfloat16 stays at 8.
+MAX_DECODE_STACK_ROWS_BLOCKS = {torch.float32: 64, torch.bfloat16: 8}
 
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")

@@ -4,8 +4,9 @@ The model (``segserve.models.llama``) is plain PyTorch; :class:`CpuStep` reads i
 per step, when the compiled CPU kernels (``segserve.kernels.cpu``, float32/bfloat16 on an AVX-512 CPU)
 are switched on and every projection has a shape they take:
 
-- a decode-only step (one row per request, at most ``MAX_SMALL_ROWS`` rows) over the segmented backend:
-  every layer in one C call (``DecodeStack``);
+- a decode-only step (one row per request, at most ``MAX_SMALL_ROWS`` rows, or for GGUF-block models
+  ``MAX_DECODE_STACK_ROWS_BLOCKS``) over the segmented backend: every layer in one C call
+  (``DecodeStack``);
 - any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
   the SiLU gate and the residual adds fused in, plus the backend's attention (:func:`forward_small`);
 - larger steps (prefill chunks, big decode batches): oneDNN's GEMMs for the projections, and between
@@ -131,7 +132,8 @@ class CpuStep:
         dtype, device = model.activation_dtype, model.norm.weight.device
         if not self._kernels_fit(dtype, device):
             return model(input_ids, positions, kv_caches, metadata)
-        if input_ids.shape[0] > cpu_kernels.MAX_SMALL_ROWS[dtype]:
+        small = input_ids.shape[0] <= cpu_kernels.MAX_SMALL_ROWS[dtype]
+        if not small and not self._stack_takes(input_ids, metadata):
             amx_weights = self._amx_weights if self._amx_fits(dtype, input_ids.shape[0]) else None
             return forward_chunk(model, input_ids, positions, kv_caches, metadata, amx_weights)
         model.check_kv_caches(kv_caches)
@@ -150,18 +152,14 @@ class CpuStep:
     def decode_stack(
         self, h: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
     ) -> cpu_kernels.DecodeStack | None:
-        """The compiled whole-step path for ``h`` ``(T, H)`` when this step is decodes only (one row
-        per request, at most ``MAX_SMALL_ROWS`` rows) over the segmented backend and caches it takes;
-        else None. The C step computes the segmented backend's attention itself, so a step over any
+        """The compiled whole-step path for ``h`` ``(T, H)`` when :meth:`_stack_takes` the step (decodes
+        only, within its row limit, over the segmented backend) and its caches; else None. The C step
+        computes the segmented backend's attention itself, so a step over any
         other backend (the reference oracle) goes through that backend. Built once per dtype and cache
         shape: it holds the weight tensors, so after replacing one (not editing it in place) call
         :meth:`prepack` again, as for the packed copies."""
         model = self.model
-        if (
-            h.shape[0] > cpu_kernels.MAX_SMALL_ROWS[h.dtype] or metadata.max_query_len != 1
-            or metadata.num_actual_tokens != metadata.num_reqs
-            or getattr(model.layers[0].self_attn.attn_backend, "name", None) != SegmentedAttentionBackend.name
-        ):
+        if not self._stack_takes(h, metadata):
             return None
         key = (h.dtype, kv_caches[0].shape, len(kv_caches))
         if self._stack_key != key:
@@ -177,6 +175,22 @@ class CpuStep:
                 except ValueError:  # a shape the whole-step kernel does not take: per-layer path
                     self._stack = None
         return self._stack
+
+    def _stack_takes(self, rows: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Whether a step of ``rows`` (its ``(T,)`` ids or ``(T, H)`` states) is one the decode stack
+        takes: decodes only (one row per request) over the segmented backend, and at most
+        ``MAX_DECODE_STACK_ROWS_BLOCKS`` rows for a model with GGUF-block projections (the float32 block
+        kernel takes any row count and beats the per-layer GEMMs up to 64), ``MAX_SMALL_ROWS`` for
+        others."""
+        if self._has_blocks is None:
+            self._has_blocks = any(isinstance(m, QuantLinear) for m in _linears(self.model))
+        limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS if self._has_blocks else cpu_kernels.MAX_SMALL_ROWS
+        return (
+            rows.shape[0] <= limits.get(self.model.activation_dtype, 0)
+            and metadata.max_query_len == 1 and metadata.num_actual_tokens == metadata.num_reqs
+            and getattr(self.model.layers[0].self_attn.attn_backend, "name", None)
+            == SegmentedAttentionBackend.name
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``

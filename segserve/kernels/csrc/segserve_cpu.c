@@ -269,62 +269,58 @@ typedef struct {
     int32_t xq8;        /* block-format w only: nonzero rounds x to int8 blocks first (sg_quant_matmul_i8) */
 } sg_linear_args;
 
-/* sg_linear for a weight in a GGUF block format: the prologue's rows (or x) widened to float32, then
- * segserve_quant.c's register-tile product with the same epilogue. */
-static int quant_linear(const sg_linear_args *a) {
-    const int dt = a->dt;
-    const int64_t M = a->M, K = a->K, ldx = a->ldx;
-    if (M < 1 || a->N < 1 || K < 32 || K % 32) return ERR_SHAPE;
-    const float *xf = (const float *)a->x;
-    int64_t ld = ldx;
-    float *buf = NULL;
-    if (a->prologue != PRO_NONE || dt != DT_F32) {
-        buf = (float *)malloc(sizeof(float) * (M * K + (dt == DT_F32 ? 0 : M * K / 2 + 1)));
-        if (!buf) return ERR_NOMEM;
-        /* bfloat16 prologue rows go after the float32 ones (M K bf16 values fill M K / 2 floats). */
-        void *rows = dt == DT_F32 ? (void *)buf : (void *)(buf + M * K);
-        for (int64_t m = 0; m < M; m++) {
-            if (a->prologue != PRO_NONE) prologue_row(dt, a->prologue, K, a->x, ldx, m, a->norm_w, a->eps, rows);
-            if (dt == DT_F32) continue; /* the prologue wrote float32 rows into buf */
-            const uint16_t *src = a->prologue != PRO_NONE ? (const uint16_t *)rows + m * K
-                                                          : (const uint16_t *)a->x + m * ldx;
-            for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(buf + m * K + k, sg_bf16x16_to_f32(src + k));
-        }
-        xf = buf;
-        ld = K;
-    }
-    int rc = (a->xq8 ? sg_quant_matmul_i8 : sg_quant_matmul)(dt, a->ydt, a->wqt, M, a->N, K, xf, ld, a->w,
-                                                             a->bias, a->y, a->ldy, a->accumulate);
-    free(buf);
-    return rc;
+/* Bytes of the buffer linear_input may write for a (M, K) product with the weight format wqt. */
+static size_t linear_buf_bytes(int dt, int wqt, int64_t M, int64_t K) {
+    if (wqt == WQT_DENSE) return (dt == DT_F32 ? 4 : 2) * (size_t)M * K;
+    return sizeof(float) * ((size_t)M * K + (dt == DT_F32 ? 0 : (size_t)M * K / 2 + 1));
 }
 
-/* y[m, n] (= or +=) W[n, :] . prologue(x[m, :]) (+ bias[n]) for m < M, n < N, for a few rows (decode
- * batches): W is streamed once for all rows, NT rows of W by up to MT rows of x per register tile, the
- * prologue (RMSNorm or SiLU gate) applied to x first and the residual add fused into the store.
- * Returns OK, ERR_LAYOUT, ERR_SHAPE or ERR_NOMEM. */
-int sg_linear(const sg_linear_args *a) {
-    if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
-    /* Locals, not a->field, in the loops: the compiler cannot prove y does not alias *a. */
-    const int dt = a->dt, ydt = a->ydt, prologue = a->prologue, accumulate = a->accumulate;
-    const int64_t M = a->M, N = a->N, K = a->K, ldx = a->ldx, ldy = a->ldy;
-    const void *x = a->x, *norm_w = a->norm_w, *w = a->w, *bias = a->bias;
-    const float eps = a->eps;
-    void *y = a->y;
-    if (a->wqt != WQT_DENSE) return quant_linear(a);
-    if (M < 1 || K % 32 || N % NT) return ERR_SHAPE;
-    size_t es = dt == DT_F32 ? 4 : 2;
-    const void *xin = x;
-    void *buf = NULL;
-    int64_t ld = ldx;
-    if (prologue != PRO_NONE) { /* rows of the prologue's output, K values each */
-        buf = malloc(es * M * K);
-        if (!buf) return ERR_NOMEM;
-        for (int64_t m = 0; m < M; m++) prologue_row(dt, prologue, K, x, ldx, m, norm_w, eps, buf);
-        xin = buf;
-        ld = K;
+/* The rows the product reads, with their row stride in *ld: x itself, or (in buf, linear_buf_bytes
+ * long) the prologue's rows, and for a block-format weight those rows (or x) widened to float32. One
+ * thread's work: the decode stack has every thread make its own copy (a few thousand values), which
+ * costs less than the barrier a shared copy would need. */
+static const void *linear_input(const sg_linear_args *a, void *buf, int64_t *ld) {
+    const int dt = a->dt;
+    const int64_t M = a->M, K = a->K, ldx = a->ldx;
+    *ld = ldx;
+    if (a->wqt == WQT_DENSE) {
+        if (a->prologue == PRO_NONE) return a->x;
+        for (int64_t m = 0; m < M; m++) prologue_row(dt, a->prologue, K, a->x, ldx, m, a->norm_w, a->eps, buf);
+        *ld = K;
+        return buf;
     }
-#pragma omp parallel for schedule(static)
+    if (a->prologue == PRO_NONE && dt == DT_F32) return a->x;
+    float *f = (float *)buf;
+    /* bfloat16 prologue rows go after the float32 ones (M K bf16 values fill M K / 2 floats). */
+    void *rows = dt == DT_F32 ? (void *)f : (void *)(f + M * K);
+    for (int64_t m = 0; m < M; m++) {
+        if (a->prologue != PRO_NONE) prologue_row(dt, a->prologue, K, a->x, ldx, m, a->norm_w, a->eps, rows);
+        if (dt == DT_F32) continue; /* the prologue wrote float32 rows into buf */
+        const uint16_t *src = a->prologue != PRO_NONE ? (const uint16_t *)rows + m * K
+                                                      : (const uint16_t *)a->x + m * ldx;
+        for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(f + m * K + k, sg_bf16x16_to_f32(src + k));
+    }
+    *ld = K;
+    return buf;
+}
+
+/* Whether sg_linear takes a's shapes and formats: OK or ERR_SHAPE. */
+static int linear_shape(const sg_linear_args *a) {
+    if (a->M < 1) return ERR_SHAPE;
+    if (a->wqt == WQT_DENSE) return a->K % 32 || a->N % NT ? ERR_SHAPE : OK;
+    if (a->N < 1 || a->K < 32 || a->K % 32 || sg_quant_block_bytes(a->wqt) == 0) return ERR_SHAPE;
+    return a->xq8 && !sg_quant_int8_built() ? ERR_SHAPE : OK;
+}
+
+/* The product of a's rows xin (row stride ld, from linear_input) with a plain dt weight: orphaned
+ * worksharing over groups of NT weight rows, ending in the team's barrier (see sg_quant_matmul). */
+static void dense_tiles(const sg_linear_args *a, const void *xin, int64_t ld) {
+    /* Locals, not a->field, in the loops: the compiler cannot prove y does not alias *a. */
+    const int dt = a->dt, ydt = a->ydt, accumulate = a->accumulate;
+    const int64_t M = a->M, N = a->N, K = a->K, ldy = a->ldy;
+    const void *w = a->w, *bias = a->bias;
+    void *y = a->y;
+#pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += NT) {
         __m128 acc[MT];
         __m128 b = _mm_setzero_ps();
@@ -355,8 +351,44 @@ int sg_linear(const sg_linear_args *a) {
             }
         }
     }
+}
+
+/* The product itself, shared by the calling team (or run alone outside a region): dense tiles here, or
+ * segserve_quant.c's block kernels with the same epilogue; i8 is sg_quant_matmul_i8's shared scratch
+ * (unused otherwise). Shapes are the caller's to check (linear_shape). */
+static void linear_tiles(const sg_linear_args *a, const void *xin, int64_t ld, void *i8) {
+    if (a->wqt == WQT_DENSE) {
+        dense_tiles(a, xin, ld);
+    } else if (a->xq8) {
+        sg_quant_matmul_i8(a->dt, a->ydt, a->wqt, a->M, a->N, a->K, (const float *)xin, ld, a->w, a->bias, a->y,
+                           a->ldy, a->accumulate, i8);
+    } else {
+        sg_quant_matmul(a->dt, a->ydt, a->wqt, a->M, a->N, a->K, (const float *)xin, ld, a->w, a->bias, a->y,
+                        a->ldy, a->accumulate);
+    }
+}
+
+/* y[m, n] (= or +=) W[n, :] . prologue(x[m, :]) (+ bias[n]) for m < M, n < N, for a few rows (decode
+ * batches): W is streamed once for all rows, NT rows of W by up to MT rows of x per register tile, the
+ * prologue (RMSNorm or SiLU gate) applied to x first and the residual add fused into the store; a weight
+ * in a GGUF block format goes to segserve_quant.c's register tiles (rows widened to float32 first).
+ * One parallel region per call. Returns OK, ERR_LAYOUT, ERR_SHAPE or ERR_NOMEM. */
+int sg_linear(const sg_linear_args *a) {
+    if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
+    int rc = linear_shape(a);
+    if (rc != OK) return rc;
+    void *buf = malloc(linear_buf_bytes(a->dt, a->wqt, a->M, a->K));
+    void *i8 = a->xq8 && a->wqt != WQT_DENSE ? aligned_alloc(64, sg_quant_i8_scratch_bytes(a->M, a->K)) : NULL;
+    if (!buf || (a->xq8 && a->wqt != WQT_DENSE && !i8)) rc = ERR_NOMEM;
+    if (rc == OK) {
+        int64_t ld;
+        const void *xin = linear_input(a, buf, &ld);
+#pragma omp parallel
+        linear_tiles(a, xin, ld, i8);
+    }
     free(buf);
-    return OK;
+    free(i8);
+    return rc;
 }
 
 /* ---- RoPE and KV writes ------------------------------------------------------------------------- */
@@ -406,6 +438,36 @@ static void rope_row16(void *x, int64_t base0, int64_t H, int64_t D, const float
     }
 }
 
+/* Row t of sg_rope (its tables rounded to dt, then every head of the row rotated). */
+static void rope_one(const sg_rope_args *a, int64_t t) {
+    const int dt = a->dt;
+    const int64_t H = a->H, D = a->D, row_stride = a->row_stride;
+    void *x = a->x;
+    const float *cos = a->cos, *ssin = a->ssin;
+    float tmp[1024], c[1024], s[1024];
+    if (D % 32 == 0) {
+        for (int64_t d = 0; d < D; d += 16) {
+            _mm512_storeu_ps(c + d, round16x(_mm512_loadu_ps(cos + t * D + d), dt));
+            _mm512_storeu_ps(s + d, round16x(_mm512_loadu_ps(ssin + t * D + d), dt));
+        }
+        rope_row16(x, t * row_stride, H, D, c, s, dt);
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) {
+        c[d] = round_dt(cos[t * D + d], dt);
+        s[d] = round_dt(ssin[t * D + d], dt);
+    }
+    for (int64_t h = 0; h < H; h++) {
+        int64_t base = t * row_stride + h * D;
+        for (int64_t d = 0; d < D; d++) tmp[d] = load_dt(x, base + d, dt);
+        for (int64_t d = 0; d < D; d++) {
+            float ra = round_dt(tmp[d] * c[d], dt);
+            float rb = round_dt(tmp[(d + D / 2) % D] * s[d], dt);
+            store_dt(x, base + d, round_dt(ra + rb, dt), dt);
+        }
+    }
+}
+
 /* Rotate heads [0, H) of each row of x in place: x*cos + roll(x, D/2)*ssin with the tables rounded
  * to dt first, each product and the sum rounded to dt (the eager ``apply_rope`` on dt tensors, bit
  * for bit). Head dims that are a multiple of 32 take the vector loop (a scalar loop with a modulo per
@@ -413,36 +475,10 @@ static void rope_row16(void *x, int64_t base0, int64_t H, int64_t D, const float
  * scalar one. Returns OK, ERR_LAYOUT or ERR_SHAPE. */
 int sg_rope(const sg_rope_args *a) {
     if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
-    const int dt = a->dt;
-    const int64_t T = a->T, H = a->H, D = a->D, row_stride = a->row_stride;
-    void *x = a->x;
-    const float *cos = a->cos, *ssin = a->ssin;
+    const int64_t T = a->T, H = a->H, D = a->D;
     if (D % 2 || D > 1024) return ERR_SHAPE;
 #pragma omp parallel for schedule(static) if (T * H >= 256)
-    for (int64_t t = 0; t < T; t++) {
-        float tmp[1024], c[1024], s[1024];
-        if (D % 32 == 0) {
-            for (int64_t d = 0; d < D; d += 16) {
-                _mm512_storeu_ps(c + d, round16x(_mm512_loadu_ps(cos + t * D + d), dt));
-                _mm512_storeu_ps(s + d, round16x(_mm512_loadu_ps(ssin + t * D + d), dt));
-            }
-            rope_row16(x, t * row_stride, H, D, c, s, dt);
-            continue;
-        }
-        for (int64_t d = 0; d < D; d++) {
-            c[d] = round_dt(cos[t * D + d], dt);
-            s[d] = round_dt(ssin[t * D + d], dt);
-        }
-        for (int64_t h = 0; h < H; h++) {
-            int64_t base = t * row_stride + h * D;
-            for (int64_t d = 0; d < D; d++) tmp[d] = load_dt(x, base + d, dt);
-            for (int64_t d = 0; d < D; d++) {
-                float a = round_dt(tmp[d] * c[d], dt);
-                float b = round_dt(tmp[(d + D / 2) % D] * s[d], dt);
-                store_dt(x, base + d, round_dt(a + b, dt), dt);
-            }
-        }
-    }
+    for (int64_t t = 0; t < T; t++) rope_one(a, t);
     return OK;
 }
 
@@ -564,7 +600,7 @@ typedef struct {
     int64_t ld_bt;              /* columns of the block table */
     const int64_t *reqs;        /* (n,) the block-table row of each decode, < B */
     const int64_t *lens;        /* (n,) tokens each decode attends to, its own (already written) included */
-    int64_t seg;                /* tokens per KV segment, >= 1 (the most; see decode_attention) */
+    int64_t seg;                /* tokens per KV segment, >= 1 (the most; see attention_plan) */
     float scale;                /* softmax scale */
 } sg_decode_attention_args;
 
@@ -582,7 +618,26 @@ static int check_decodes(const sg_decode_attention_args *a) {
     return OK;
 }
 
-/* sg_decode_attention without its checks (the decode stack checks once for all layers).
+/* What a step's decode attention shares across its layers (the lengths are the same in every layer):
+ * the segment length, each decode's first work item and the partials' buffers. */
+struct att_plan { /* internal: no ctypes mirror */
+    int64_t seg;    /* tokens per segment, as chosen below */
+    int64_t items;  /* work items: segments times KV heads */
+    int64_t *first; /* (n + 1,) first segment of decode j */
+    float *po;      /* (items, G, D) unnormalised partial outputs */
+    float *pm;      /* (items, G) running maxima */
+    float *pl;      /* (items, G) sums of exp(score - max) */
+};
+typedef struct att_plan att_plan;
+
+static void attention_plan_free(att_plan *p) {
+    free(p->first);
+    free(p->po);
+    free(p->pm);
+    free(p->pl);
+}
+
+/* Decode attention's work split, made once per step and used by every layer.
  *
  * Each decode's tokens are walked in segments, one work item per (decode, KV head, segment), each
  * giving an unnormalised partial (segment_partial) that a second pass merges per (decode, KV head) by
@@ -596,19 +651,12 @@ static int check_decodes(const sg_decode_attention_args *a) {
  * split only reorders float32 sums: results of two splits agree within 1e-6 in float32 (observed
  * 2.6e-7 on outputs up to 0.7) and within one bfloat16 ulp in bfloat16 (test_cpu_kernels.py
  * test_decode_attention_does_not_depend_on_the_split checks both).
- * Returns OK or ERR_NOMEM. */
-static int decode_attention(const sg_decode_attention_args *a) {
-    const int dt = a->dt;
-    const int64_t n = a->n, Hq = a->Hq, Hkv = a->Hkv, D = a->D, ldq = a->ldq, num_blocks = a->num_blocks;
-    const int64_t block_size = a->block_size, ld_bt = a->ld_bt;
-    const void *q = a->q, *cache = a->cache;
-    void *out = a->out;
-    const int64_t *rows = a->rows, *req = a->reqs, *lens = a->lens;
-    const int32_t *block_table = a->block_table;
-    const float scale = a->scale;
+ * Returns OK or ERR_NOMEM (p then holds nothing to free). */
+static int attention_plan(const sg_decode_attention_args *a, att_plan *p) {
+    const int64_t n = a->n, Hkv = a->Hkv, G = a->Hq / a->Hkv, D = a->D;
+    const int64_t *lens = a->lens;
     int64_t seg = a->seg;
-    int64_t G = Hq / Hkv;
-    if (seg > ld_bt * block_size) seg = ld_bt * block_size; /* no decode is longer: bounds the buffers */
+    if (seg > a->ld_bt * a->block_size) seg = a->ld_bt * a->block_size; /* no decode is longer: bounds the buffers */
     /* Short contexts would leave cores idle: halve the segment (see above). */
     int64_t total = 0, threads = omp_get_max_threads();
     for (int64_t j = 0; j < n; j++) total += (lens[j] + seg - 1) / seg;
@@ -617,43 +665,62 @@ static int decode_attention(const sg_decode_attention_args *a) {
         total = 0;
         for (int64_t j = 0; j < n; j++) total += (lens[j] + seg - 1) / seg;
     }
-    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (n + 1)); /* first segment item of decode j */
-    if (!first) return ERR_NOMEM;
-    first[0] = 0;
-    for (int64_t j = 0; j < n; j++) first[j + 1] = first[j] + (lens[j] + seg - 1) / seg;
-    int64_t nseg = first[n], items = nseg * Hkv;
-    float *po = (float *)malloc(sizeof(float) * items * G * D);
-    float *pm = (float *)malloc(sizeof(float) * items * G);
-    float *pl = (float *)malloc(sizeof(float) * items * G);
-    int failed = !po || !pm || !pl;
+    memset(p, 0, sizeof *p);
+    p->seg = seg;
+    p->first = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
+    if (!p->first) return ERR_NOMEM;
+    p->first[0] = 0;
+    for (int64_t j = 0; j < n; j++) p->first[j + 1] = p->first[j] + (lens[j] + seg - 1) / seg;
+    p->items = p->first[n] * Hkv;
+    p->po = (float *)malloc(sizeof(float) * p->items * G * D);
+    p->pm = (float *)malloc(sizeof(float) * p->items * G);
+    p->pl = (float *)malloc(sizeof(float) * p->items * G);
+    if (p->po && p->pm && p->pl) return OK;
+    attention_plan_free(p);
+    memset(p, 0, sizeof *p);
+    return ERR_NOMEM;
+}
+
+/* Floats of the per-thread scores buffer attention_team needs for plan p. */
+static size_t attention_scores_floats(const sg_decode_attention_args *a, const att_plan *p) {
+    return (size_t)(a->Hq / a->Hkv) * (p->seg + 16);
+}
+
+/* The segments (dynamic worksharing, one item at a time), then their merge (static), each loop ending
+ * in the team's barrier; called by every thread of a region (or by one thread outside any). scores is
+ * the calling thread's own buffer of attention_scores_floats. */
+static void attention_team(const sg_decode_attention_args *a, const att_plan *p, float *scores) {
+    const int dt = a->dt;
+    const int64_t n = a->n, Hq = a->Hq, Hkv = a->Hkv, D = a->D, ldq = a->ldq, num_blocks = a->num_blocks;
+    const int64_t block_size = a->block_size, ld_bt = a->ld_bt, seg = p->seg, items = p->items;
+    const void *q = a->q, *cache = a->cache;
+    void *out = a->out;
+    const int64_t *rows = a->rows, *req = a->reqs, *lens = a->lens, *first = p->first;
+    const int32_t *block_table = a->block_table;
+    const float scale = a->scale;
+    float *po = p->po, *pm = p->pm, *pl = p->pl;
+    int64_t G = Hq / Hkv;
     size_t es = dt == DT_F32 ? 4 : 2;
     const char *kc = (const char *)cache;
     const char *vc = kc + (size_t)num_blocks * block_size * Hkv * D * es;
-    if (!failed) {
-#pragma omp parallel
-        {
-            float *scores = (float *)malloc(sizeof(float) * G * (seg + 16));
-            float qf[MAX_G * MAX_D];
-            if (!scores) failed = 1;
+    float qf[MAX_G * MAX_D];
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++) {
-                if (!scores) continue;
-                int64_t sidx = it / Hkv, h = it % Hkv, j = 0;
-                int64_t lo = 0, hi = n - 1; /* decode j with first[j] <= sidx < first[j + 1] */
-                while (lo < hi) {
-                    int64_t mid = (lo + hi + 1) / 2;
-                    if (first[mid] <= sidx) lo = mid;
-                    else hi = mid - 1;
-                }
-                j = lo;
-                int64_t s = sidx - first[j], t0 = s * seg, t1 = t0 + seg < lens[j] ? t0 + seg : lens[j];
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t d = 0; d < D; d++)
-                        qf[g * D + d] = load_dt(q, rows[j] * ldq + (h * G + g) * D + d, dt);
-                const int32_t *bt = block_table + req[j] * ld_bt;
-                float *o = po + it * G * D, *mm = pm + it * G, *ll = pl + it * G;
-                /* Common head shapes get copies with G and D constant, so their accumulators live in
-                 * registers; others take the general loop. */
+    for (int64_t it = 0; it < items; it++) {
+        int64_t sidx = it / Hkv, h = it % Hkv, j = 0;
+        int64_t lo = 0, hi = n - 1; /* decode j with first[j] <= sidx < first[j + 1] */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (first[mid] <= sidx) lo = mid;
+            else hi = mid - 1;
+        }
+        j = lo;
+        int64_t s = sidx - first[j], t0 = s * seg, t1 = t0 + seg < lens[j] ? t0 + seg : lens[j];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++) qf[g * D + d] = load_dt(q, rows[j] * ldq + (h * G + g) * D + d, dt);
+        const int32_t *bt = block_table + req[j] * ld_bt;
+        float *o = po + it * G * D, *mm = pm + it * G, *ll = pl + it * G;
+        /* Common head shapes get copies with G and D constant, so their accumulators live in
+         * registers; others take the general loop. */
 #define SEGMENT(GG, DD, DT) segment_partial(DT, GG, DD, Hkv, h, qf, kc, vc, block_size, bt, t0, t1, scale, scores, o, mm, ll)
 #define CASES(DT)                                                                                          \
     switch (G * 1000 + D) {                                                                                \
@@ -666,48 +733,59 @@ static int decode_attention(const sg_decode_attention_args *a) {
     case 4128: SEGMENT(4, 128, DT); break;                                                                 \
     default: SEGMENT(G, D, DT);                                                                            \
     }
-                if (dt == DT_F32) { CASES(DT_F32) } else { CASES(DT_BF16) }
+        if (dt == DT_F32) { CASES(DT_F32) } else { CASES(DT_BF16) }
 #undef CASES
 #undef SEGMENT
+    }
+    /* Merge each (decode, KV head)'s segments: L = max m_s; o = sum o_s e^(m_s - L) / sum l_s e^(m_s - L). */
+#pragma omp for schedule(static)
+    for (int64_t pi = 0; pi < n * Hkv; pi++) {
+        int64_t j = pi / Hkv, h = pi % Hkv;
+        for (int64_t g = 0; g < G; g++) {
+            float mx = -INFINITY, denom = 0.0f, o[MAX_D];
+            for (int64_t s = first[j]; s < first[j + 1]; s++) {
+                float ms = pm[(s * Hkv + h) * G + g];
+                mx = ms > mx ? ms : mx;
             }
-            free(scores);
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t s = first[j]; s < first[j + 1]; s++) {
+                int64_t it = s * Hkv + h;
+                float wgt = expf(pm[it * G + g] - mx);
+                denom += pl[it * G + g] * wgt;
+                const float *os = po + (it * G + g) * D;
+                for (int64_t d = 0; d < D; d++) o[d] += os[d] * wgt;
+            }
+            for (int64_t d = 0; d < D; d++) store_dt(out, (rows[j] * Hq + h * G + g) * D + d, o[d] / denom, dt);
         }
     }
-    if (!failed) {
-        /* Merge each (decode, KV head)'s segments: L = max m_s; o = sum o_s e^(m_s - L) / sum l_s e^(m_s - L). */
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < n * Hkv; p++) {
-            int64_t j = p / Hkv, h = p % Hkv;
-            for (int64_t g = 0; g < G; g++) {
-                float mx = -INFINITY, denom = 0.0f, o[MAX_D];
-                for (int64_t s = first[j]; s < first[j + 1]; s++) {
-                    float ms = pm[(s * Hkv + h) * G + g];
-                    mx = ms > mx ? ms : mx;
-                }
-                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                for (int64_t s = first[j]; s < first[j + 1]; s++) {
-                    int64_t it = s * Hkv + h;
-                    float wgt = expf(pm[it * G + g] - mx);
-                    denom += pl[it * G + g] * wgt;
-                    const float *os = po + (it * G + g) * D;
-                    for (int64_t d = 0; d < D; d++) o[d] += os[d] * wgt;
-                }
-                for (int64_t d = 0; d < D; d++)
-                    store_dt(out, (rows[j] * Hq + h * G + g) * D + d, o[d] / denom, dt);
-            }
+}
+
+/* sg_decode_attention without its checks: plan, then one region for the segments and the merge.
+ * Returns OK or ERR_NOMEM. */
+static int decode_attention(const sg_decode_attention_args *a) {
+    att_plan p;
+    if (attention_plan(a, &p) != OK) return ERR_NOMEM;
+    int failed = 0;
+    const size_t nscores = attention_scores_floats(a, &p);
+#pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * nscores);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp barrier
+        if (!failed) attention_team(a, &p, scores);
+        free(scores);
     }
-    free(first);
-    free(po);
-    free(pm);
-    free(pl);
+    attention_plan_free(&p);
     return failed ? ERR_NOMEM : OK;
 }
 
 /* Attention of n decode queries to their cached tokens, read in place through the block table (no
  * gathered copy): decode j reads q row rows[j] and writes out row rows[j] (other rows untouched),
  * attending to the first lens[j] tokens of block-table row reqs[j]. Segments and merge: see
- * decode_attention. Everything every decode reads is checked before anything is read (check_decodes).
+ * attention_plan. Everything every decode reads is checked before anything is read (check_decodes).
  * Returns OK, ERR_LAYOUT, ERR_SHAPE, ERR_ROW, ERR_BLOCK or ERR_NOMEM. */
 int sg_decode_attention(const sg_decode_attention_args *a) {
     if (a->size != (int64_t)sizeof *a) return ERR_LAYOUT;
@@ -759,7 +837,7 @@ typedef struct {
     int64_t ld_bt;               /* columns of the block table */
     const int64_t *reqs;         /* (n,) must be 0..n-1 */
     const int64_t *lens;         /* (n,) tokens each decode attends to, its own included */
-    int64_t seg;                 /* tokens per KV segment, the most (see decode_attention) */
+    int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
 } sg_decode_stack_args;
@@ -767,6 +845,15 @@ typedef struct {
 /* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
  * instead of ~200 times: per layer, h += o(attn(rope(qkv(norm1(h))))) and
  * h += down(silu_mul(gate_up(norm2(h)))), the same kernels as the per-op path in the same order.
+ *
+ * One OpenMP parallel region for the whole step, the kernels sharing its threads through orphaned
+ * worksharing loops (7 barriers a layer), and every buffer allocated once per step: with a parallel
+ * region per kernel (7 a layer, ~210 a step of 30 layers) and GOMP_SPINCOUNT low (segserve/openmp.py),
+ * every region paid its sleeping threads' futex wake-up on top of the join. Each output element is
+ * computed by the same code in the same order as by the per-kernel entry points (sg_linear, sg_rope,
+ * sg_write_kv, sg_decode_attention), so the step equals their composition bit for bit; the prologue
+ * rows (RMSNorm, SiLU gate) are made by every thread into its own buffer rather than once behind a
+ * barrier (a few thousand values).
  *
  * Rows 0..n-1 of h are the decodes (row j is request j of the block table); rows n..M-1 are padding:
  * computed, never written to the cache, given zero attention output. Returns OK, ERR_LAYOUT,
@@ -786,53 +873,100 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
             a->rows[j] != j)
             return ERR_SHAPE;
     size_t es = dt == DT_F32 ? 4 : 2;
-    int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D;
+    const int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D, width = Hkv * D;
+    /* Every layer's four products, their shapes checked here (not one layer into the step). */
+    sg_linear_args lin[4] = {
+        {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = nqkv, .K = H, .ldx = H,
+         .prologue = PRO_RMSNORM, .eps = a->eps, .ldy = nqkv, .xq8 = a->xq8},
+        {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = nq, .ldx = nq,
+         .prologue = PRO_NONE, .ldy = H, .accumulate = 1, .xq8 = a->xq8},
+        {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = 2 * I, .K = H, .ldx = H,
+         .prologue = PRO_RMSNORM, .eps = a->eps, .ldy = 2 * I, .xq8 = a->xq8},
+        {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = I, .ldx = 2 * I,
+         .prologue = PRO_SILU_MUL, .ldy = H, .accumulate = 1, .xq8 = a->xq8}};
+    int any_block = 0;
+    for (int64_t l = 0; l < a->num_layers; l++) {
+        const sg_layer *ly = &a->layers[l];
+        const int32_t wqt[4] = {ly->qkv_wqt, ly->o_wqt, ly->gate_up_wqt, ly->down_wqt};
+        for (int k = 0; k < 4; k++) {
+            lin[k].wqt = wqt[k];
+            if (linear_shape(&lin[k]) != OK) return ERR_SHAPE;
+            any_block |= wqt[k] != WQT_DENSE;
+        }
+    }
+    const int64_t kmax = H > I ? (H > nq ? H : nq) : (I > nq ? I : nq);
+    const size_t bufbytes = linear_buf_bytes(dt, any_block ? WQT_Q8_0 : WQT_DENSE, M, kmax);
     char *qkv = (char *)malloc(es * M * nqkv);
     void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
     void *gate_up = malloc(es * M * 2 * I);
+    void *i8 = a->xq8 && any_block ? aligned_alloc(64, sg_quant_i8_scratch_bytes(M, kmax)) : NULL;
     /* Every layer's attention but for its cache: its q rows are the fused QKV output's Q heads. */
     sg_decode_attention_args att = {
         .size = sizeof att, .dt = dt, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .q = qkv, .ldq = nqkv,
         .out = attn, .T = M, .rows = a->rows, .num_blocks = num_blocks, .block_size = block_size,
         .block_table = a->block_table, .B = n, .ld_bt = a->ld_bt, .reqs = a->reqs, .lens = a->lens,
         .seg = a->seg, .scale = a->scale};
+    const sg_rope_args rope = {.size = sizeof rope, .dt = dt, .T = M, .H = Hq + Hkv, .D = D, .x = qkv,
+                               .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin};
+    att_plan plan = {0};
     int rc = check_decodes(&att);
-    if (rc == OK && (!qkv || !attn || !gate_up)) rc = ERR_NOMEM;
-    for (int64_t l = 0; l < a->num_layers && rc == OK; l++) {
-        const sg_layer *ly = &a->layers[l];
-        rc = sg_linear(&(sg_linear_args){
-            .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = nqkv, .K = H, .x = h, .ldx = H,
-            .prologue = PRO_RMSNORM, .norm_w = ly->ln1, .eps = a->eps, .w = ly->qkv, .wqt = ly->qkv_wqt, .xq8 = a->xq8, .bias = ly->qkv_bias,
-            .y = qkv, .ldy = nqkv});
-        if (rc == OK)
-            rc = sg_rope(&(sg_rope_args){
-                .size = sizeof(sg_rope_args), .dt = dt, .T = M, .H = Hq + Hkv, .D = D, .x = qkv,
-                .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin});
-        if (rc == OK)
-            rc = sg_write_kv(&(sg_write_kv_args){
-                .size = sizeof(sg_write_kv_args), .dt = dt, .n = n, .width = Hkv * D, .k = qkv + es * nq,
-                .ldk = nqkv, .v = qkv + es * (nq + Hkv * D), .ldv = nqkv, .cache = ly->kv_cache,
-                .num_slots = num_blocks * block_size, .slot_mapping = slot_mapping});
-        if (rc == OK) {
-            att.cache = ly->kv_cache;
-            rc = decode_attention(&att);
+    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8))) rc = ERR_NOMEM;
+    if (rc == OK) rc = attention_plan(&att, &plan);
+    if (rc == OK) {
+        int failed = 0;
+        const size_t nscores = attention_scores_floats(&att, &plan);
+        const size_t kv_bytes = (size_t)width * es, num_slots = (size_t)num_blocks * block_size;
+#pragma omp parallel
+        {
+            void *buf = malloc(bufbytes);
+            float *scores = (float *)malloc(sizeof(float) * nscores);
+            if (!buf || !scores) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp barrier
+            for (int64_t l = 0; l < a->num_layers && !failed; l++) {
+                const sg_layer *ly = &a->layers[l];
+                /* Private copies: lin and att are shared, and each thread points them at this layer. */
+                sg_linear_args qa = lin[0], oa = lin[1], ga = lin[2], da = lin[3];
+                qa.x = h, qa.norm_w = ly->ln1, qa.w = ly->qkv, qa.wqt = ly->qkv_wqt, qa.bias = ly->qkv_bias;
+                qa.y = qkv;
+                oa.x = attn, oa.w = ly->o, oa.wqt = ly->o_wqt, oa.y = h;
+                ga.x = h, ga.norm_w = ly->ln2, ga.w = ly->gate_up, ga.wqt = ly->gate_up_wqt, ga.y = gate_up;
+                da.x = gate_up, da.w = ly->down, da.wqt = ly->down_wqt, da.y = h;
+                sg_decode_attention_args la = att;
+                la.cache = ly->kv_cache;
+                int64_t ld;
+                const void *xin = linear_input(&qa, buf, &ld);
+                linear_tiles(&qa, xin, ld, i8);
+                /* RoPE of each row, then its K and V into the cache (sg_rope and sg_write_kv). */
+                char *kc = (char *)ly->kv_cache;
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) {
+                    rope_one(&rope, t);
+                    if (t < n) {
+                        memcpy(kc + (size_t)slot_mapping[t] * kv_bytes, qkv + (size_t)t * nqkv * es + es * nq, kv_bytes);
+                        memcpy(kc + (num_slots + (size_t)slot_mapping[t]) * kv_bytes,
+                               qkv + (size_t)t * nqkv * es + es * (nq + width), kv_bytes);
+                    }
+                }
+                attention_team(&la, &plan, scores);
+                xin = linear_input(&oa, buf, &ld);
+                linear_tiles(&oa, xin, ld, i8);
+                xin = linear_input(&ga, buf, &ld);
+                linear_tiles(&ga, xin, ld, i8);
+                xin = linear_input(&da, buf, &ld);
+                linear_tiles(&da, xin, ld, i8);
+            }
+            free(buf);
+            free(scores);
         }
-        if (rc == OK)
-            rc = sg_linear(&(sg_linear_args){
-                .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = nq, .x = attn,
-                .ldx = nq, .prologue = PRO_NONE, .w = ly->o, .wqt = ly->o_wqt, .xq8 = a->xq8, .y = h, .ldy = H, .accumulate = 1});
-        if (rc == OK)
-            rc = sg_linear(&(sg_linear_args){
-                .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = 2 * I, .K = H, .x = h,
-                .ldx = H, .prologue = PRO_RMSNORM, .norm_w = ly->ln2, .eps = a->eps, .w = ly->gate_up, .wqt = ly->gate_up_wqt, .xq8 = a->xq8,
-                .y = gate_up, .ldy = 2 * I});
-        if (rc == OK)
-            rc = sg_linear(&(sg_linear_args){
-                .size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = I, .x = gate_up,
-                .ldx = 2 * I, .prologue = PRO_SILU_MUL, .w = ly->down, .wqt = ly->down_wqt, .xq8 = a->xq8, .y = h, .ldy = H, .accumulate = 1});
+        if (failed) rc = ERR_NOMEM;
     }
+    attention_plan_free(&plan);
     free(qkv);
     free(attn);
     free(gate_up);
+    free(i8);
     return rc;
 }

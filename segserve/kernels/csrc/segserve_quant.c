@@ -22,7 +22,10 @@
  * of x, NT x MT accumulators of 16 lanes: M = 1: 8 x 1 (8 independent FMA chains to cover the FMA
  * latency), M = 2: 4 x 2, M = 3..4: 4 x M, M = 5..8: 2 x M; more rows go in tiles of 8. A last partial
  * group of weight rows repeats the group's last row (computed, not stored), so any N works.
- * Threads: OpenMP over groups of weight rows (PyTorch's pool, as segserve_cpu.c).
+ * Threads: OpenMP worksharing (orphaned ``omp for``) over groups of weight rows: sg_quant_matmul opens
+ * no parallel region of its own but shares the work of the team that calls it, so the decode stack runs
+ * every layer's products inside one region (see segserve_cpu.c's sg_decode_stack) and sg_linear opens
+ * one per call. Called outside any region it runs on the calling thread alone.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -119,7 +122,7 @@ static inline __attribute__((always_inline)) void qtile(int wqt, int nt, int mt,
 /* Rows m0 .. m0 + mt - 1 of the product, all N outputs, in tiles of NT weight rows. */
 #define QPASS(WQT, NT, MT)                                                                                 \
     do {                                                                                                   \
-        _Pragma("omp parallel for schedule(static)") for (int64_t g = 0; g < groups; g++) {                \
+        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {                         \
             const uint8_t *wr[8];                                                                          \
             float out[8][8];                                                                               \
             int64_t n0 = g * (NT);                                                                         \

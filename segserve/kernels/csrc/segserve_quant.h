@@ -4,6 +4,7 @@
 #ifndef SEGSERVE_QUANT_H
 #define SEGSERVE_QUANT_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum { WQT_DENSE = 0, WQT_Q4_0 = 2, WQT_Q4_1 = 3, WQT_Q8_0 = 8 };
@@ -21,7 +22,11 @@ int64_t sg_quant_block_bytes(int wqt);
  *   bias      (N,) dt or NULL
  *   y         (M, N) with row stride ldy; accumulate: y = round(y + round(product)), as sg_linear
  * K must be a positive multiple of 32, N >= 1, M >= 1. Returns 0, or -1 (ERR_SHAPE) on a bad shape or
- * format. */
+ * format.
+ * Threads: the work is shared by the calling team through orphaned ``omp for`` loops (each ending in
+ * the team's barrier); every thread of a parallel region must call it with the same arguments, or it is
+ * called outside any region and runs on the calling thread alone. It opens no region of its own, so
+ * the decode stack can run a whole step's products inside one (segserve_cpu.c). */
 int sg_quant_matmul(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
                     int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate);
 
@@ -31,10 +36,15 @@ int sg_quant_matmul(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, c
  * scaled by the two blocks' scales in float32 (Q4_1's m term times the rounded block's sum): the exact
  * product of the dequantized weights with the rounded x, up to float32 summation.
  * The approach is llama.cpp's (ggml-cpu's Q8_0 / Q8_1 activation blocks and its vec_dot kernels).
- * Arguments, shapes and returns as sg_quant_matmul; -2 (ERR_NOMEM) when the row buffer cannot be had;
- * -1 also when the library was built for a CPU without AVX-512 VNNI (see sg_quant_int8_built). */
+ * Arguments, shapes, returns and threads as sg_quant_matmul, plus scratch: a buffer shared by the team,
+ * 64-byte aligned, of sg_quant_i8_scratch_bytes(M, K) bytes, for the int8 rows; -1 also when the
+ * library was built for a CPU without AVX-512 VNNI (see sg_quant_int8_built). */
 int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
-                       int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate);
+                       int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate,
+                       void *scratch);
+
+/* Bytes of sg_quant_matmul_i8's scratch for M rows of K values (a multiple of 64). */
+size_t sg_quant_i8_scratch_bytes(int64_t M, int64_t K);
 
 /* 1 when this library was compiled with AVX-512 VNNI (sg_quant_matmul_i8 works), else 0. */
 int sg_quant_int8_built(void);

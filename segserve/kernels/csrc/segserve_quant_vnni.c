@@ -29,7 +29,8 @@
  *
  * Error: each activation is off by at most half a step of its block's scale (amax / 254), so a dot
  * product's error is at most sum_b amax_b / 254 * sum |w| over the block; the tests bound it so.
- * Tiles and threads as segserve_quant.c (NT weight rows by MT rows, OpenMP over weight-row groups).
+ * Tiles and threads as segserve_quant.c (NT weight rows by MT rows, orphaned OpenMP worksharing over
+ * weight-row groups: the caller's team does the work; no region of its own).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -168,7 +169,7 @@ static inline __attribute__((always_inline)) void qtile_i8(int wqt, int nt, int 
 
 #define VPASS(WQT, NT, MT)                                                                                 \
     do {                                                                                                   \
-        _Pragma("omp parallel for schedule(static)") for (int64_t g = 0; g < groups; g++) {                \
+        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {                         \
             const uint8_t *wr[8];                                                                          \
             float out[8][8];                                                                               \
             int64_t n0 = g * (NT);                                                                         \
@@ -180,17 +181,24 @@ static inline __attribute__((always_inline)) void qtile_i8(int wqt, int nt, int 
         }                                                                                                  \
     } while (0)
 
+size_t sg_quant_i8_scratch_bytes(int64_t M, int64_t K) {
+    const size_t np = (size_t)(K / 32 + 1) / 2, nq = (size_t)M * np * 64, nf = (size_t)M * np * 16;
+    return nq + 3 * nf * 4 + 64;
+}
+
 int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
-                       int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate) {
+                       int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate,
+                       void *scratch) {
     const int64_t bb = sg_quant_block_bytes(wqt), nb = K / 32, rb = nb * bb, np = (nb + 1) / 2;
     const uint8_t *wb = (const uint8_t *)w;
     if (bb == 0 || M < 1 || N < 1 || K < 32 || K % 32) return V_ERR_SHAPE;
-    /* One allocation for the int8 rows, 64-byte aligned parts: q, dx, c0, xs. */
+    /* The int8 rows in the caller's (shared, 64-byte aligned) scratch: q, dx, c0, xs. */
+    char *buf = (char *)scratch;
     size_t nq = (size_t)M * np * 64, nf = (size_t)M * np * 16;
-    char *buf = aligned_alloc(64, nq + 3 * nf * 4 + 64);
-    if (!buf) return V_ERR_NOMEM;
     struct xrows xr = {.np = np, .q = (int8_t *)buf, .dx = (float *)(buf + nq), .c0 = (int32_t *)(buf + nq + nf * 4),
                 .xs = (float *)(buf + nq + 2 * nf * 4)};
+    /* Rows are independent; the loop's closing barrier publishes them before any tile reads them. */
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         quantize_row(wqt, xf + m * ldxf, nb, np, xr.q + m * np * 64, xr.dx + m * np * 16, xr.c0 + m * np * 16,
                      xr.xs + m * 2 * np);
@@ -201,7 +209,6 @@ int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K
         else if (wqt == WQT_Q4_0) { Q_PASS_FOR_ROWS(VPASS, WQT_Q4_0) }
         else { Q_PASS_FOR_ROWS(VPASS, WQT_Q4_1) }
     }
-    free(buf);
     return V_OK;
 }
 
@@ -211,10 +218,16 @@ int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K
 
 int sg_quant_int8_built(void) { return 0; }
 
+size_t sg_quant_i8_scratch_bytes(int64_t M, int64_t K) {
+    (void)M, (void)K;
+    return 64;
+}
+
 int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
-                       int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate) {
+                       int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate,
+                       void *scratch) {
     (void)dt, (void)ydt, (void)wqt, (void)M, (void)N, (void)K, (void)xf, (void)ldxf, (void)w, (void)bias;
-    (void)y, (void)ldy, (void)accumulate;
+    (void)y, (void)ldy, (void)accumulate, (void)scratch;
     return V_ERR_SHAPE;
 }
 

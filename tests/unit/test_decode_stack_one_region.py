@@ -1,0 +1,110 @@
+"""The one-region decode stack equals the per-kernel compiled path bit for bit.
+
+``sg_decode_stack`` runs a whole decode step inside one OpenMP parallel region, its kernels sharing the
+team through worksharing loops; ``forward_small`` calls the same kernels one entry point at a time
+(``sg_linear``, ``sg_rope``, ``sg_write_kv``, ``sg_decode_attention``, each opening its own region).
+Every output element is computed by the same code in the same order either way, so hidden states and
+KV caches must be equal exactly (``torch.equal``), for float32 and bfloat16 weights and for GGUF Q4_1 /
+Q8_0 blocks (with float and, where the CPU has VNNI, int8 activations). Tiny models: 2 layers, hidden 64,
+4 query / 2 KV heads of dim 16; a step of three decodes over interleaved blocks plus one padding row.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
+from model_fixtures import (  # noqa: E402
+    new_caches,
+    save_tiny_hf_dir,
+    tiny_hf_model,
+    train_tiny_tokenizer,
+    write_tiny_gguf,
+)
+
+from segserve.attention.metadata import build_attention_metadata  # noqa: E402
+from segserve.kernels import build, quant  # noqa: E402
+from segserve.kernels import cpu as cpu_kernels  # noqa: E402
+from segserve.models.loader import load_model  # noqa: E402
+from segserve.worker.cpu_step import CpuStep  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not all(f in build._cpu_flags() for f in build.REQUIRED_CPU_FLAGS), reason="CPU lacks AVX-512 BF16"
+)
+BLOCK = 4
+PROMPTS = [list(range(10, 23)), list(range(40, 45)), list(range(60, 90))]  # 13, 5, 30 tokens
+ROWS = [[1, 4, 7, 9], [2, 5], [3, 6, 8, 10, 11, 12, 13, 14]]  # interleaved, room for one more token each
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny Hugging Face directory and the same model as Q4_1 and Q8_0 GGUF files."""
+    root = tmp_path_factory.mktemp("one_region")
+    hf, tok = tiny_hf_model(), train_tiny_tokenizer()
+    save_tiny_hf_dir(root / "hf", hf, tok)
+    out = {"hf": root / "hf"}
+    for qtype in ("Q4_1", "Q8_0"):
+        out[qtype] = root / f"tiny-{qtype}.gguf"
+        write_tiny_gguf(out[qtype], hf, tok, qtype=qtype)
+    return out
+
+
+@torch.inference_mode()
+def _step(model, one_region: bool, monkeypatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Prefill the prompts eagerly, then one decode step of the three requests plus a padding row,
+    through the decode stack (``one_region``) or through ``forward_small`` layer by layer."""
+    caches = new_caches(model, 64, BLOCK)
+    with cpu_kernels.disabled():
+        for prompt, row in zip(PROMPTS, ROWS, strict=True):
+            md = build_attention_metadata([len(prompt)], [0], [row], BLOCK, 16, 512)
+            model(torch.tensor(prompt), torch.arange(len(prompt)), caches, md)
+    priors = [len(p) for p in PROMPTS]
+    md = build_attention_metadata([1, 1, 1], priors, ROWS, BLOCK, 16, 512, num_padded_tokens=4)
+    runs = []
+    with monkeypatch.context() as m:
+        if one_region:
+            real = cpu_kernels.DecodeStack.run
+            m.setattr(
+                cpu_kernels.DecodeStack, "run", lambda self, *a, **k: runs.append(1) or real(self, *a, **k)
+            )
+        else:
+            m.setattr(CpuStep, "decode_stack", lambda self, *a, **k: None)
+        old = cpu_kernels.set_enabled(True)
+        try:
+            h = CpuStep(model).forward(torch.tensor([7, 8, 9, 0]), torch.tensor([*priors, 0]), caches, md)
+        finally:
+            cpu_kernels.set_enabled(old)
+    assert runs == ([1] if one_region else [])  # each run took the path it names
+    return h, caches
+
+
+def _assert_same(model, monkeypatch) -> None:
+    h_stack, caches_stack = _step(model, True, monkeypatch)
+    h_layers, caches_layers = _step(model, False, monkeypatch)
+    assert torch.equal(h_stack[:3], h_layers[:3])
+    assert all(torch.equal(a, b) for a, b in zip(caches_stack, caches_layers, strict=True))
+    assert h_stack[:3].abs().sum() > 0  # a real result, not two empty ones
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_stack_equals_the_per_kernel_path_bitwise(files, dtype, monkeypatch) -> None:
+    _assert_same(load_model(files["hf"], dtype=dtype).model, monkeypatch)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_stack_equals_the_per_kernel_path_bitwise(files, qtype, dtype, int8, monkeypatch) -> None:
+    if int8 and not quant.int8_built():
+        pytest.skip("this CPU or build lacks the AVX-512 VNNI kernel")
+    model = load_model(files[qtype], dtype=dtype).model
+    assert any(isinstance(getattr(m, "quant_weight", None), quant.QuantWeight) for m in model.modules())
+    old = quant.set_int8(int8)
+    try:
+        _assert_same(model, monkeypatch)
+    finally:
+        quant.set_int8(old)
