@@ -165,3 +165,19 @@ def test_error_stays_near_the_output_rounding(query_lens: list[int], priors: lis
     got = _run_kernel(case).float()
     floor = (expect.bfloat16().float() - expect).abs().mean()
     assert (got - expect).abs().mean() <= 1.7 * floor
+
+
+def test_a_long_chunk_equals_its_rows_attended_16_at_a_time_bitwise() -> None:
+    """A chunk of several query tiles per KV head has its K/V packed once before its work items; rows
+    computed 16 at a time (one tile per head: each item packs for itself) must give the same bits, since
+    a row's sums run over the same key blocks in the same order either way."""
+    case = make_case([600], [1000], block_size=16, seg=512, dtype=torch.bfloat16, seed=6)
+    whole = _run_kernel(case)
+    md = case.metadata
+    pieces = torch.zeros_like(case.q)
+    for r0 in range(0, 600, 16):
+        n = min(16, 600 - r0)
+        ca.chunk_attention(case.q, pieces, case.cache, md.block_table, torch.tensor([r0]), torch.tensor([n]),
+                           torch.tensor([1000 + r0]), torch.tensor([0]), 512, case.scale)
+    assert torch.equal(whole[:600], pieces[:600])
+    assert torch.count_nonzero(whole[:600]) > 0
