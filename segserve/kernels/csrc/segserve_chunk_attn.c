@@ -24,9 +24,8 @@
  *               running output [16 x D] float32 loaded into C tiles and stored back.
  *
  * Numerics: Q K^T exact products summed in float32; P rounded to bfloat16 for the P V product (as
- * PyTorch's CPU flash attention does for bfloat16), sums in float32; exp2 by a degree-3 polynomial
- * (relative error < 8.6e-5, far below bfloat16's 2^-9; see ca_exp2). Output rounded to bfloat16
- * (nearest even).
+ * PyTorch's CPU flash attention does for bfloat16), sums in float32; exp2 by a degree-4 polynomial
+ * (relative error ~3e-6, far below bfloat16's 4e-3). Output rounded to bfloat16 (nearest even).
  *
  * The AMX code is compiled for its target only (function attributes), so this file builds and loads
  * on CPUs without AMX; there sg_amx_granted() (segserve_simd.h) is 0 and sg_chunk_attention refuses with
@@ -49,8 +48,9 @@ enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_
 #define CA_MAX_D 128 /* head dim, a multiple of 32 (chunk_attention.MAX_HEAD_DIM) */
 #define CA_MAX_G 16  /* query heads per KV head (chunk_attention.MAX_QUERY_HEADS_PER_KV_HEAD) */
 #define CA_TQ 128    /* query tokens per work item, the most (halved for small steps) */
+#define CA_PREPACK_TILES 8 /* query tiles per KV head from which a chunk's K/V are packed once (ca_run) */
 
-#define CA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16")))
+#define CA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 
 typedef struct {
     int64_t size;               /* sizeof(sg_chunk_attention_args) */
@@ -186,19 +186,21 @@ CA_TARGET static void ca_pack_v(uint16_t *vp, int64_t s0, int64_t nk, int64_t en
 
 /* ---- one M tile over one segment ---------------------------------------------------------------- */
 
-/* 2^x for float32 lanes (x <= CA_SLACK here): 2^floor(x) * p(f), f = x - floor(x) in [0, 1) in one
- * VREDUCEPS and the scaling by 2^floor(x) in VSCALEFPS (which floors its exponent operand itself), p a
- * degree-3 polynomial fitted to 2^f on [0, 1) for relative error (< 8.6e-5, 23x below bfloat16's unit
- * roundoff 2^-9; p(0) = 1, so integral x are exact). Every P is rounded to bfloat16 for the P V product
- * right after, so a float32-accurate exp would buy nothing: this saves 3 of the 8 vector ops of the
- * degree-4, round-to-nearest form it replaced. Very negative x underflow to 0 in the scaling. */
+/* 2^x for float32 lanes (x <= CA_SLACK here): 2^round(x) * p(x - round(x)), p a degree-4 polynomial
+ * fitted to 2^f on [-1/2, 1/2] (relative error < 3.1e-6, far below bfloat16's 2^-9; p(0) = 1, so
+ * integral x are exact); very negative x underflow to 0 in the scaling. A cheaper degree-3 form
+ * (VREDUCEPS, 8.6e-5) was tried: its mean error against float32 was the same, but it moves bfloat16
+ * roundings of P and, through 30 layers, the engine's greedy logprobs against transformers past the
+ * bfloat16 parity test's 0.25 (0.254 at one token), so this kernel keeps the exp it had. */
 CA_TARGET static inline __m512 ca_exp2(__m512 x) {
-    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 p = _mm512_set1_ps(7.70652026e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.27647007e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.95116341e-1f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.60040924e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59169775e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40237186e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93121985e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, x);
+    return _mm512_scalef_ps(p, n);
 }
 
 /* The kernel's exp2 on n floats (tests bound its error; n a multiple of 16 is not needed). */
@@ -577,10 +579,12 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
     if (!first) return CA_ERR_NOMEM;
     first[0] = 0;
     for (int64_t i = 0; i < n; i++) first[i + 1] = first[i] + (a->qlens[i] + tq - 1) / tq * Hkv;
-    /* A chunk of several query tiles has its K/V packed once, before the items (pfirst[i] .. pfirst[i +
-     * 1] - 1: its heads' blocks), instead of by each of its items: the tiles of a long chunk would
-     * otherwise repack the same prior blocks cdiv(qlen, tq) times between them (~15 % of a 4,096-token
-     * chunk's time). If that buffer cannot be had, every item packs for itself, as small chunks do. */
+    /* A chunk of CA_PREPACK_TILES or more query tiles per KV head has its K/V packed once, before the
+     * items (pfirst[i] .. pfirst[i + 1] - 1: its heads' blocks), instead of by each of its items: the
+     * tiles of a long chunk would otherwise repack the same blocks cdiv(qlen, tq) times between them
+     * (~15 % of a 4,096-token chunk's time). Fewer tiles save too little for the extra pass, its
+     * barrier and blocks read back from another core (8 chunks of 512 tokens, 4 tiles each: ~10 %
+     * slower on 2 threads). If the buffer cannot be had, every item packs for itself. */
     int64_t *pfirst = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
     if (!pfirst) {
         free(first);
@@ -588,7 +592,7 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
     }
     pfirst[0] = 0;
     for (int64_t i = 0; i < n; i++)
-        pfirst[i + 1] = pfirst[i] + (first[i + 1] - first[i] > Hkv ? Hkv * ca_walk_blocks(a->priors[i] + a->qlens[i], seg) : 0);
+        pfirst[i + 1] = pfirst[i] + (first[i + 1] - first[i] >= CA_PREPACK_TILES * Hkv ? Hkv * ca_walk_blocks(a->priors[i] + a->qlens[i], seg) : 0);
     const int64_t slots = pfirst[n];
     uint16_t *packed = slots ? (uint16_t *)aligned_alloc(64, ca_slot(slots, D) * 2) : NULL;
     const int64_t nm = G * (tq / 16);
