@@ -168,10 +168,10 @@ def test_error_stays_near_the_output_rounding(query_lens: list[int], priors: lis
 
 
 def test_a_long_chunk_equals_its_rows_attended_16_at_a_time_bitwise() -> None:
-    """A chunk of 8 or more query tiles (of 128 tokens) per KV head has its K/V packed once before its
-    work items; rows computed 16 at a time (one tile per head: each item packs for itself) must give the
-    same bits, since a row's sums run over the same key blocks in the same order either way."""
-    qlen = 1100  # 9 tiles per KV head
+    """A row's sums run over the same key blocks in the same order whatever work item (query tile of up
+    to 128 tokens, each packing its K/V itself) it falls in: a 1,100-token chunk in one call and its rows
+    16 at a time (one tile per KV head per call) give the same bits."""
+    qlen = 1100
     case = make_case([qlen], [1000], block_size=16, seg=512, dtype=torch.bfloat16, seed=6)
     whole = _run_kernel(case)
     md = case.metadata

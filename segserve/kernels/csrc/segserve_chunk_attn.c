@@ -48,7 +48,6 @@ enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_
 #define CA_MAX_D 128 /* head dim, a multiple of 32 (chunk_attention.MAX_HEAD_DIM) */
 #define CA_MAX_G 16  /* query heads per KV head (chunk_attention.MAX_QUERY_HEADS_PER_KV_HEAD) */
 #define CA_TQ 128    /* query tokens per work item, the most (halved for small steps) */
-#define CA_PREPACK_TILES 8 /* query tiles per KV head from which a chunk's K/V are packed once (ca_run) */
 
 #define CA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 
@@ -421,28 +420,6 @@ static inline void ca_prefetch(int64_t p0, int64_t p1, const uint16_t *kc, const
 
 /* ---- one work item ------------------------------------------------------------------------------ */
 
-/* Key blocks of a segment of seg tokens, and a block's slot in a prepacked buffer (K then V of CA_KB
- * keys each): block o of a chunk's walk is block o % bps of segment o / bps. */
-static inline int64_t ca_blocks_per_seg(int64_t seg) { return (seg + CA_KB - 1) / CA_KB; }
-static inline int64_t ca_slot(int64_t o, int64_t D) { return o * 2 * CA_KB * D; }
-static inline int64_t ca_walk_blocks(int64_t end, int64_t seg) {
-    return end <= 0 ? 0 : (end - 1) / seg * ca_blocks_per_seg(seg) + ((end - 1) % seg + CA_KB) / CA_KB;
-}
-
-/* Pack block o of KV head h of chunk i (keys of positions < end = prior + qlen; later ones zero) into
- * its slot of dst: the layouts ca_item packs itself, so which of them packed a block changes nothing. */
-CA_TARGET static void ca_prepack(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t o, int64_t seg,
-                                 uint16_t *dst) {
-    const int64_t D = a->D, Hkv = a->Hkv, bs = a->block_size, end = a->priors[i] + a->qlens[i];
-    const int64_t bps = ca_blocks_per_seg(seg), s0 = o / bps * seg, b0 = s0 + o % bps * CA_KB;
-    const int64_t s1 = s0 + seg < end ? s0 + seg : end, b1 = b0 + CA_KB < s1 ? b0 + CA_KB : s1;
-    const int64_t np = (b1 - b0 + 31) / 32 * 32;
-    const int32_t *bt = a->block_table + a->reqs[i] * a->ld_bt;
-    const uint16_t *kc = (const uint16_t *)a->cache, *vc = kc + a->num_blocks * bs * Hkv * D;
-    ca_pack_k(dst, b0, np, b1, kc, bt, bs, Hkv, h, D);
-    ca_pack_v(dst + CA_KB * D, b0, np, b1, vc, bt, bs, Hkv, h, D);
-}
-
 typedef struct ca_ws {
     ca_seg sg;
     uint16_t *q;    /* [G * TQ/16 M tiles][16][D] the item's queries, zero rows past the chunk */
@@ -451,10 +428,9 @@ typedef struct ca_ws {
 } ca_ws;
 
 /* Chunk i, KV head h, query tokens t0 .. t1 - 1 of the chunk: segment by segment, block by block of
- * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V. With
- * `packed` (the chunk and head's blocks, packed by ca_prepack) the item packs nothing itself. */
+ * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V. */
 CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t t0, int64_t t1,
-                              int64_t seg, const uint16_t *packed, ca_ws *w) {
+                              int64_t seg, ca_ws *w) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, Hkv = a->Hkv, bs = a->block_size;
     const int64_t prior = a->priors[i], row0 = a->starts[i];
     const int32_t *bt = a->block_table + a->reqs[i] * a->ld_bt;
@@ -477,15 +453,9 @@ CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64
         const int64_t s1 = s0 + seg < end ? s0 + seg : end;
         for (int64_t b0 = s0; b0 < s1; b0 += CA_KB) {
             const int64_t b1 = b0 + CA_KB < s1 ? b0 + CA_KB : s1, np = (b1 - b0 + 31) / 32 * 32;
-            ca_seg sg = w->sg;
-            if (packed) {
-                sg.kp = (uint16_t *)packed + ca_slot(s0 / seg * ca_blocks_per_seg(seg) + (b0 - s0) / CA_KB, D);
-                sg.vp = sg.kp + CA_KB * D;
-            } else {
-                ca_pack_k(sg.kp, b0, np, b1, kc, bt, bs, Hkv, h, D);
-                ca_pack_v(sg.vp, b0, np, b1, vc, bt, bs, Hkv, h, D);
-                ca_prefetch(b1, b1 + CA_KB < end ? b1 + CA_KB : end, kc, vc, bt, bs, Hkv, h, D);
-            }
+            ca_pack_k(w->sg.kp, b0, np, b1, kc, bt, bs, Hkv, h, D);
+            ca_pack_v(w->sg.vp, b0, np, b1, vc, bt, bs, Hkv, h, D);
+            ca_prefetch(b1, b1 + CA_KB < end ? b1 + CA_KB : end, kc, vc, bt, bs, Hkv, h, D);
             for (int64_t qt = 0; qt < nqt; qt++) {
                 const int64_t first = prior + t0 + qt * 16; /* position of the tile's row 0 */
                 const int64_t last = prior + t0 + (qt * 16 + 15 < nq ? qt * 16 + 15 : nq - 1);
@@ -501,6 +471,7 @@ CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64
                  * tile loads after vector stores (P), which do not forward from the store buffer. */
                 float alpha[CA_MAX_G][16];
                 __mmask16 moves[CA_MAX_G];
+                ca_seg sg = w->sg;
                 for (int64_t g = 0; g < G; g++) {
                     sg.s = w->sg.s + g * 16 * CA_LDS;
                     ca_scores(w->q + (g * nqt + qt) * 16 * D, D, nk, &sg);
@@ -550,17 +521,6 @@ static int ca_check(const sg_chunk_attention_args *a) {
     return CA_OK;
 }
 
-/* The i with first[i] <= x < first[i + 1] (first nondecreasing, first[0] = 0 <= x < first[n]). */
-static int64_t ca_find(const int64_t *first, int64_t n, int64_t x) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int64_t mid = (lo + hi + 1) / 2;
-        if (first[mid] <= x) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
     const int64_t n = a->n, Hkv = a->Hkv, D = a->D, G = a->Hq / a->Hkv;
     int64_t seg = a->seg, longest = 0, threads = omp_get_max_threads(), tq = CA_TQ;
@@ -579,22 +539,6 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
     if (!first) return CA_ERR_NOMEM;
     first[0] = 0;
     for (int64_t i = 0; i < n; i++) first[i + 1] = first[i] + (a->qlens[i] + tq - 1) / tq * Hkv;
-    /* A chunk of CA_PREPACK_TILES or more query tiles per KV head has its K/V packed once, before the
-     * items (pfirst[i] .. pfirst[i + 1] - 1: its heads' blocks), instead of by each of its items: the
-     * tiles of a long chunk would otherwise repack the same blocks cdiv(qlen, tq) times between them
-     * (~15 % of a 4,096-token chunk's time). Fewer tiles save too little for the extra pass, its
-     * barrier and blocks read back from another core (8 chunks of 512 tokens, 4 tiles each: ~10 %
-     * slower on 2 threads). If the buffer cannot be had, every item packs for itself. */
-    int64_t *pfirst = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
-    if (!pfirst) {
-        free(first);
-        return CA_ERR_NOMEM;
-    }
-    pfirst[0] = 0;
-    for (int64_t i = 0; i < n; i++)
-        pfirst[i + 1] = pfirst[i] + (first[i + 1] - first[i] >= CA_PREPACK_TILES * Hkv ? Hkv * ca_walk_blocks(a->priors[i] + a->qlens[i], seg) : 0);
-    const int64_t slots = pfirst[n];
-    uint16_t *packed = slots ? (uint16_t *)aligned_alloc(64, ca_slot(slots, D) * 2) : NULL;
     const int64_t nm = G * (tq / 16);
     int failed = 0;
 #pragma omp parallel
@@ -611,31 +555,25 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
         int ok = w.sg.kp && w.sg.vp && w.sg.s && w.sg.p && w.q && w.o && w.m && w.l;
         if (!ok) failed = 1;
         else ca_tile_config();
-        if (packed) {
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t t = 0; t < slots; t++) {
-                const int64_t i = ca_find(pfirst, n, t), local = t - pfirst[i];
-                const int64_t nb = (pfirst[i + 1] - pfirst[i]) / Hkv;
-                ca_prepack(a, i, local / nb, local % nb, seg, packed + ca_slot(t, D));
-            }
-        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!ok) continue;
-            const int64_t i = ca_find(first, n, it), local = it - first[i], tiles = (first[i + 1] - first[i]) / Hkv;
+            int64_t lo = 0, hi = n - 1; /* chunk i with first[i] <= it < first[i + 1] */
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (first[mid] <= it) lo = mid;
+                else hi = mid - 1;
+            }
+            const int64_t i = lo, local = it - first[i], tiles = (first[i + 1] - first[i]) / Hkv;
             const int64_t qt = tiles - 1 - local / Hkv, h = local % Hkv; /* last query tiles first */
             const int64_t t0 = qt * tq, t1 = t0 + tq < a->qlens[i] ? t0 + tq : a->qlens[i];
-            const int64_t nb = (pfirst[i + 1] - pfirst[i]) / Hkv;
-            const uint16_t *mine = packed && nb ? packed + ca_slot(pfirst[i] + h * nb, D) : NULL;
-            ca_item(a, i, h, t0, t1, seg, mine, &w);
+            ca_item(a, i, h, t0, t1, seg, &w);
         }
         if (ok) _tile_release();
         free(w.sg.kp); free(w.sg.vp); free(w.sg.s); free(w.sg.p);
         free(w.q); free(w.o); free(w.m); free(w.l);
     }
     free(first);
-    free(pfirst);
-    free(packed);
     return failed ? CA_ERR_NOMEM : CA_OK;
 }
 
