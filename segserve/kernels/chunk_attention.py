@@ -179,3 +179,17 @@ def chunk_attention(
         raise ValueError(f"a chunk walks a block id outside [1, {num_blocks}) (0 is the null block)")
     if rc:
         raise RuntimeError(f"sg_chunk_attention failed: {_ERRORS.get(rc, rc)}")
+
+
+def _exp2(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's own ``2^x`` (its softmax's exp) on a contiguous float32 CPU tensor, for tests that bound
+    its error (``sg_chunk_attention_exp2``). Needs the compiled library and a CPU with AMX (the code is
+    compiled for that target); raises RuntimeError otherwise."""
+    if not available():
+        raise RuntimeError("chunk attention is unavailable on this machine")
+    x = x.detach().to(torch.float32).contiguous()
+    y = torch.empty_like(x)
+    fn = _library().sg_chunk_attention_exp2
+    fn.argtypes, fn.restype = [_P, _P, _L], None
+    fn(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
