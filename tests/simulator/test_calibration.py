@@ -196,7 +196,7 @@ def test_profile_quick_prints_the_fit_error_and_caches(model_file, monkeypatch, 
                "decode b=8": {"n": 9, "mean_rel_err": 0.06, "mean_abs_rel_err": 0.06}}
     stats = {"n": 126.0, "mean_abs_rel_err": 0.05, "p90_abs_rel_err": 0.1, "max_abs_rel_err": 0.3,
              "seconds": 41.0, "by_kind": by_kind}
-    monkeypatch.setattr(profile, "calibrate_quick", lambda fp: (MODEL, stats))
+    monkeypatch.setattr(profile, "calibrate_quick", lambda fp, **kw: (MODEL, stats))
     copy = tmp_path / "copy.json"
     assert main(["profile", "--quick", "--model", str(model_file), "--output", str(copy)]) == 0
     out = capsys.readouterr().out
