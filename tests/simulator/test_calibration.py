@@ -234,3 +234,32 @@ def test_quick_probes_run_the_engine_in_the_loaded_models_dtype(monkeypatch):
     with pytest.raises(Stop):
         profile.measure_quick(Loaded(), log=lambda *_: None)
     assert seen["dtype"] == "bfloat16"
+
+
+def test_profile_quick_writes_its_samples_and_reference_times(model_file, monkeypatch, capsys, tmp_path):
+    # Regression: `profile --quick --samples-out F` accepted the flag and wrote nothing.
+    from segserve.entrypoints.cli import main
+    from segserve.simulator import profile
+    from segserve.simulator.step_model import RequestSlice, StepComposition
+
+    step = StepComposition((RequestSlice(100, 1, True, True), RequestSlice(0, 250, False, True)), 256)
+    stats = {"n": 1.0, "mean_abs_rel_err": 0.05, "p90_abs_rel_err": 0.1, "max_abs_rel_err": 0.3,
+             "seconds": 41.0, "by_kind": {}, "reference_ms": [610.0, 980.0, 620.0], "reference_drift": 0.607}
+
+    def fake(fp, samples_out=None):
+        samples_out.append((step, 0.75))
+        return MODEL, stats
+
+    monkeypatch.setattr(profile, "calibrate_quick", fake)
+    out_file = tmp_path / "quick-samples.json"
+    assert main(["profile", "--quick", "--model", str(model_file), "--samples-out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "reference request (start / middle / end): 610 / 980 / 620 ms, 61% apart" in out
+    assert f"samples in {out_file}" in out
+    data = json.loads(out_file.read_text())
+    assert profile.samples_from_json(data["samples"]) == [(step, 0.75)]
+    assert data["model"]["name"] == MODEL.model.name and data["decode_gathers"] is MODEL.decode_gathers
+    # The file is --from-samples' format: it refits offline.
+    refit = tmp_path / "refit.json"
+    assert main(["profile", "--from-samples", str(out_file), "--output", str(refit)]) == 2  # 1 < 8 samples
+    assert "need at least" in capsys.readouterr().err
