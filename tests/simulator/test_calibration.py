@@ -186,6 +186,11 @@ def test_profile_quick_calibrates_and_caches_a_real_engine(capsys, empty_profile
     model, data = cal.read_cached(path, fp)
     assert path == cal.profile_path(fp) and data["fit"]["n"] >= 100
     assert model.coefficients["padded_tokens"] > 0
+    # The reference request ran at the start, middle and end, and its spread is recorded.
+    assert "reference request (start / middle / end): " in out
+    ref = data["fit"]["reference_ms"]
+    assert len(ref) == 3 and min(ref) > 0
+    assert data["fit"]["reference_drift"] == pytest.approx(max(ref) / min(ref) - 1)
 
 
 def test_profile_quick_prints_the_fit_error_and_caches(model_file, monkeypatch, capsys, tmp_path):
