@@ -8,7 +8,9 @@ block_bytes)`` (so ``state_dict`` and ``load_state_dict(assign=True)`` carry the
 - a few rows (at most ``SMALL_ROWS[dtype]``): the compiled kernel, which dequantizes in registers
   (``segserve.kernels.quant.linear``); ``segserve.worker.cpu_step`` calls it directly with the fused
   prologues and epilogues;
-- more rows (prefill chunks, big batches): the weight dequantized into a transient buffer in the
+- more rows in float32: the compiled GEMM that dequantizes the blocks straight into its packed panels
+  (``segserve.kernels.f32gemm``; ``SEGSERVE_F32GEMM=0`` turns it off);
+- more rows otherwise (bfloat16, or that GEMM off): the weight dequantized into a transient buffer in the
   activation dtype, ``TILE_BYTES`` at most at a time, then PyTorch's GEMM on it (the dequantization reads
   the weight once per step; the GEMM reads the tile from cache M times);
 - without the compiled kernels: the same with ``gguf_blocks.dequantize_torch``.
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from segserve.kernels import quant
+from segserve.kernels import f32gemm, quant
 from segserve.kernels.gguf_blocks import QuantWeight, dequantize_torch, row_bytes
 
 # Rows up to which the register-dequantizing kernel runs (it dequantizes each weight tile once per 8
@@ -62,6 +64,8 @@ def quantized_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None 
     m, (n, k) = x.shape[0], w.shape
     if m <= SMALL_ROWS.get(x.dtype, 8) and quant.enabled() and x.device.type == "cpu":
         return quant.linear(x.contiguous(), w, bias, out_dtype=out_dtype)
+    if x.dtype == torch.float32 and out_dtype in (None, torch.float32) and f32gemm.enabled():
+        return f32gemm.matmul(x.contiguous(), w, bias)  # weight packed from its blocks, no float copy
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)
     step = max(1, TILE_BYTES // (k * x.element_size()))
     for n0 in range(0, n, step):
