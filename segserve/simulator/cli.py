@@ -495,14 +495,19 @@ def run_profile(args: argparse.Namespace) -> int:
 def _run_profile_quick(args: argparse.Namespace) -> int:
     """``profile --quick``: measure, fit, print the fit's error (overall and per kind of step), cache."""
     from segserve.simulator.calibration import machine_fingerprint, profile_path, save_cached
-    from segserve.simulator.profile import calibrate_quick
+    from segserve.simulator.profile import calibrate_quick, samples_to_json
 
     if args.from_samples or args.roofline:
         raise ValueError("--quick measures this machine: not with --from-samples or --roofline")
     fp = machine_fingerprint(args.model, args.dtype, args.block_size, args.kv_segment_size)
     print(f"[profile] quick calibration of {fp.describe()}", flush=True)
-    fitted, stats = calibrate_quick(fp)
+    samples: list = []
+    fitted, stats = calibrate_quick(fp, samples_out=samples)
     path = save_cached(fitted, fp, stats, profile_path(fp))
+    if args.samples_out:  # the --from-samples format, so the calibration can be refitted offline
+        data = {"samples": samples_to_json(samples), "model": asdict_shape(fitted.model),
+                "decode_gathers": fitted.decode_gathers}
+        Path(args.samples_out).write_text(json.dumps(data), encoding="utf-8")
     if args.output:
         save_cached(fitted, fp, stats, Path(args.output))  # the same file: --profile checks it too
     kinds = ", ".join(
@@ -514,7 +519,12 @@ def _run_profile_quick(args: argparse.Namespace) -> int:
         f"max {stats['max_abs_rel_err']:.1%}"
     )
     print(f"[profile] mean signed error by kind of step: {kinds}")
-    print(f"[profile] wrote {path}" + (f" and {args.output}" if args.output else ""))
+    if "reference_ms" in stats:
+        print("[profile] reference request (start / middle / end): "
+              + " / ".join(f"{t:.0f}" for t in stats["reference_ms"])
+              + f" ms, {stats['reference_drift']:.0%} apart")
+    print(f"[profile] wrote {path}" + (f" and {args.output}" if args.output else "")
+          + (f"; samples in {args.samples_out}" if args.samples_out else ""))
     return 0
 
 

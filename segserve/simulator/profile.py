@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from segserve.simulator.drift import drift_warning, reference_drift
 from segserve.simulator.replica import composition
 from segserve.simulator.step_model import StepComposition
 
@@ -160,8 +161,11 @@ def samples_from_json(rows: list[dict]) -> list[tuple[StepComposition, float]]:
 # is computed once, and a request whose prompt is ``base[:P] + c fresh tokens`` computes exactly a chunk
 # of ``c`` at prior ``P``; ``b`` requests of ``base[:C] + 1 token`` then decode together at context ``C``
 # without paying ``b * C`` tokens of prefill. Their decodes read the same shared prefix blocks, which
-# stay warmer in the CPU caches than ``b`` distinct contexts would (a bias toward cheaper decode context
-# at large ``b``); the distinct-prompt and mixed probes below see distinct, interleaved blocks.
+# stay warmer in the CPU caches than ``b`` distinct contexts would, so the distinct probe adds what a
+# served batch looks like: 8 prompts of their own (their prefill is the probe's main cost), decoding
+# with staggered lengths so the batch shrinks from 8 to 1, with fresh chunks scheduled beside them
+# (mixed steps over distinct decodes, the kind of step a chunked-prefill server runs most under load).
+# A reference request timed at the start, middle and end tells whether the machine kept one speed.
 
 QUICK_BUDGET = 512
 QUICK_BASE_LEN = 2048
@@ -170,8 +174,14 @@ QUICK_CHUNK_PRIORS = (0, 1024, 2048)
 QUICK_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 QUICK_DECODE_CONTEXTS = (128, 1024, 2048)
 QUICK_DECODE_STEPS = 3
-QUICK_DISTINCT = (6, 400)  # 6 distinct 400-token prompts at once: chunks of mixed sizes, then decodes
-QUICK_MIXED = ((2, 1100), (8, 1100), (32, 1100))  # b decodes at context 1024 while a fresh prompt arrives
+# Distinct prompts (3,072 tokens; prefilled together: chunks of mixed sizes); each decodes 2 steps
+# longer than the one before, so every batch of 8 .. 1 distinct contexts runs 2 steps.
+QUICK_DISTINCT = (160, 224, 288, 352, 416, 480, 544, 608)
+# When the distinct batch is down to ``b`` decodes, a prompt ``base[:prior] + chunk fresh tokens``
+# arrives: one mixed step of a ``chunk`` at ``prior`` beside ``b`` distinct decodes.
+QUICK_DISTINCT_MIXED = ((8, 0, 250), (6, 256, 250), (4, 1024, 128), (2, 0, 400))
+QUICK_MIXED = ((2, 700), (32, 700))  # b decodes at shared context 1024 while a fresh prompt arrives
+QUICK_REFERENCE = 256  # fresh tokens of the reference request (1 prefill step + 3 decodes)
 
 
 class _Prober:
@@ -229,10 +239,32 @@ class _Prober:
             self.step()
         self.engine.abort_request(ids)
 
+    def distinct(self, prompts: list[list[int]], lates: dict[int, list[int]]) -> None:
+        """``prompts`` prefill together, then decode with staggered lengths (request ``i`` makes
+        ``len(prompts) + 2 i`` tokens: the first ones decode beside the later ones' chunks and still
+        have 2 steps left when all are in); when ``b`` of them are left, ``lates[b]`` (if any) arrives
+        for one token."""
+        ids = [self.add([p], max_tokens=len(prompts) + 2 * i)[0] for i, p in enumerate(prompts)]
+        reqs = self.engine.scheduler.requests
+        while any(reqs[i].is_prefill for i in ids if i in reqs):
+            self.step()
+        pending = dict(lates)
+        while self.engine.has_unfinished_requests():
+            late = pending.pop(sum(1 for i in ids if i in reqs), None)
+            if late is not None:
+                self.add([late], max_tokens=1)
+            self.step()
+
+    def reference(self) -> float:
+        """Seconds of the reference request (fresh tokens each time: the same work, no cache hit)."""
+        n = len(self.samples)
+        self.run([self.fresh(QUICK_REFERENCE)], max_tokens=1 + QUICK_DECODE_STEPS)
+        return sum(t for _, t in self.samples[n:])
+
 
 def measure_quick(loaded, block_size: int = 16, kv_segment_size: int = 512, log=print, seed: int = 18):
-    """The ``--quick`` probes on ``loaded``: ~12k prefill tokens in ~126 steps, which the built-in
-    profile of an idle 2-core machine puts at 35 s. Returns (samples, the engine's ``decode_gathers``)."""
+    """The ``--quick`` probes on ``loaded`` (~13k prefill tokens, ~170 steps, about 60 s on 2 idle
+    cores with the default model). Returns a ``QuickSamples``."""
     from segserve import LLMEngine
     from segserve.simulator.replay import engine_decodes_gather
 
@@ -243,6 +275,7 @@ def measure_quick(loaded, block_size: int = 16, kv_segment_size: int = 512, log=
     )
     pr = _Prober(engine, seed)
     pr.run([pr.fresh(64)], max_tokens=4, keep=False)  # warm-up: first steps pay one-time allocations
+    references = [pr.reference()]
     base = pr.fresh(QUICK_BASE_LEN)
     t = time.perf_counter()
     pr.run([base], max_tokens=1)
@@ -254,21 +287,43 @@ def measure_quick(loaded, block_size: int = 16, kv_segment_size: int = 512, log=
     for ctx in QUICK_DECODE_CONTEXTS:
         for b in QUICK_DECODE_BATCHES:
             pr.run([base[:ctx] + pr.fresh(1) for _ in range(b)], max_tokens=1 + QUICK_DECODE_STEPS)
-    log(f"[profile] decodes: {len(pr.samples) - n} steps in {time.perf_counter() - t:.1f} s")
+    log(f"[profile] shared-context decodes: {len(pr.samples) - n} steps in {time.perf_counter() - t:.1f} s")
+    references.append(pr.reference())
     t, n = time.perf_counter(), len(pr.samples)
-    count, length = QUICK_DISTINCT
-    pr.run([pr.fresh(length) for _ in range(count)], max_tokens=1 + QUICK_DECODE_STEPS)
+    lates = {b: base[:prior] + pr.fresh(c) for b, prior, c in QUICK_DISTINCT_MIXED}
+    pr.distinct([pr.fresh(length) for length in QUICK_DISTINCT], lates)
     for b, late in QUICK_MIXED:
         pr.mixed([base[:1024] + pr.fresh(1) for _ in range(b)], pr.fresh(late))
     log(f"[profile] distinct and mixed: {len(pr.samples) - n} steps in {time.perf_counter() - t:.1f} s")
-    return pr.samples, engine_decodes_gather(engine)
+    references.append(pr.reference())
+    return QuickSamples(pr.samples, engine_decodes_gather(engine), tuple(references))
 
 
-def calibrate_quick(fp, log=print):
-    """Load ``fp``'s model in its dtype, run ``measure_quick`` with its block and segment sizes, fit.
+@dataclass(frozen=True)
+class QuickSamples:
+    """What ``measure_quick`` measured.
+
+    Attributes:
+        samples: (composition, seconds) of every kept step, the reference requests' included.
+        decode_gathers: the engine's ``engine_decodes_gather`` (how ``gathered_kv`` was counted).
+        reference_seconds: the reference request's time at the start, middle and end, seconds.
+    """
+
+    samples: list[tuple[StepComposition, float]]
+    decode_gathers: bool
+    reference_seconds: tuple[float, ...]
+
+
+def calibrate_quick(fp, log=print, samples_out: list | None = None):
+    """Load ``fp``'s model in its dtype, run ``measure_quick`` with its block and segment sizes, fit;
+    warn (``drift.drift_warning``) when the reference request's times disagree by more than 30 %.
+
+    Args:
+        samples_out: if given, the measured (composition, seconds) samples are appended to it.
 
     Returns:
-        (the fitted ``LinearStepModel``, fit statistics with ``by_kind`` errors and ``seconds``).
+        (the fitted ``LinearStepModel``, fit statistics with ``by_kind`` errors, ``seconds``,
+        ``reference_ms`` (start, middle, end) and ``reference_drift`` (max / min - 1)).
     """
     import torch
 
@@ -284,12 +339,20 @@ def calibrate_quick(fp, log=print):
     if cpu_kernels.enabled() != fp.kernels:
         log(f"[profile] warning: the kernels are {'on' if cpu_kernels.enabled() else 'off'}, the fingerprint "
             f"expected {'on' if fp.kernels else 'off'} ({cpu_kernels.unavailable_reason()})")
-    samples, gathers = measure_quick(loaded, fp.block_size, fp.kv_segment_size, log)
+    measured = measure_quick(loaded, fp.block_size, fp.kv_segment_size, log)
+    samples = measured.samples
+    if samples_out is not None:
+        samples_out.extend(samples)
     shape = ModelShape(**model_shape_of(loaded, dtype_bytes=dtype.itemsize))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     source = f"segserve profile --quick ({len(samples)} steps, {when}, {fp.cpu_model})"
-    fitted, stats = fit_linear(samples, model=shape, source=source, decode_gathers=gathers)
+    fitted, stats = fit_linear(samples, model=shape, source=source, decode_gathers=measured.decode_gathers)
     stats["by_kind"] = errors_by_kind(fitted, samples)
+    stats["reference_ms"] = [1000 * t for t in measured.reference_seconds]
+    stats["reference_drift"] = reference_drift(measured.reference_seconds)
+    warning = drift_warning(measured.reference_seconds)
+    if warning:
+        log(f"[profile] warning: {warning}")
     stats["seconds"] = time.perf_counter() - t0
     stats["load_average"] = [load0, _load_average()]
     if max(stats["load_average"]) > fp.cpu_count:

@@ -186,6 +186,11 @@ def test_profile_quick_calibrates_and_caches_a_real_engine(capsys, empty_profile
     model, data = cal.read_cached(path, fp)
     assert path == cal.profile_path(fp) and data["fit"]["n"] >= 100
     assert model.coefficients["padded_tokens"] > 0
+    # The reference request ran at the start, middle and end, and its spread is recorded.
+    assert "reference request (start / middle / end): " in out
+    ref = data["fit"]["reference_ms"]
+    assert len(ref) == 3 and min(ref) > 0
+    assert data["fit"]["reference_drift"] == pytest.approx(max(ref) / min(ref) - 1)
 
 
 def test_profile_quick_prints_the_fit_error_and_caches(model_file, monkeypatch, capsys, tmp_path):
@@ -196,7 +201,7 @@ def test_profile_quick_prints_the_fit_error_and_caches(model_file, monkeypatch, 
                "decode b=8": {"n": 9, "mean_rel_err": 0.06, "mean_abs_rel_err": 0.06}}
     stats = {"n": 126.0, "mean_abs_rel_err": 0.05, "p90_abs_rel_err": 0.1, "max_abs_rel_err": 0.3,
              "seconds": 41.0, "by_kind": by_kind}
-    monkeypatch.setattr(profile, "calibrate_quick", lambda fp: (MODEL, stats))
+    monkeypatch.setattr(profile, "calibrate_quick", lambda fp, **kw: (MODEL, stats))
     copy = tmp_path / "copy.json"
     assert main(["profile", "--quick", "--model", str(model_file), "--output", str(copy)]) == 0
     out = capsys.readouterr().out
@@ -234,3 +239,32 @@ def test_quick_probes_run_the_engine_in_the_loaded_models_dtype(monkeypatch):
     with pytest.raises(Stop):
         profile.measure_quick(Loaded(), log=lambda *_: None)
     assert seen["dtype"] == "bfloat16"
+
+
+def test_profile_quick_writes_its_samples_and_reference_times(model_file, monkeypatch, capsys, tmp_path):
+    # Regression: `profile --quick --samples-out F` accepted the flag and wrote nothing.
+    from segserve.entrypoints.cli import main
+    from segserve.simulator import profile
+    from segserve.simulator.step_model import RequestSlice, StepComposition
+
+    step = StepComposition((RequestSlice(100, 1, True, True), RequestSlice(0, 250, False, True)), 256)
+    stats = {"n": 1.0, "mean_abs_rel_err": 0.05, "p90_abs_rel_err": 0.1, "max_abs_rel_err": 0.3,
+             "seconds": 41.0, "by_kind": {}, "reference_ms": [610.0, 980.0, 620.0], "reference_drift": 0.607}
+
+    def fake(fp, samples_out=None):
+        samples_out.append((step, 0.75))
+        return MODEL, stats
+
+    monkeypatch.setattr(profile, "calibrate_quick", fake)
+    out_file = tmp_path / "quick-samples.json"
+    assert main(["profile", "--quick", "--model", str(model_file), "--samples-out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "reference request (start / middle / end): 610 / 980 / 620 ms, 61% apart" in out
+    assert f"samples in {out_file}" in out
+    data = json.loads(out_file.read_text())
+    assert profile.samples_from_json(data["samples"]) == [(step, 0.75)]
+    assert data["model"]["name"] == MODEL.model.name and data["decode_gathers"] is MODEL.decode_gathers
+    # The file is --from-samples' format: it refits offline.
+    refit = tmp_path / "refit.json"
+    assert main(["profile", "--from-samples", str(out_file), "--output", str(refit)]) == 2  # 1 < 8 samples
+    assert "need at least" in capsys.readouterr().err
