@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from segserve.simulator.step_model import FEATURES, LinearStepModel, ModelShape, StepComposition
+from segserve.simulator.step_model import (
+    FEATURES,
+    SMALL_STEP_ROWS,
+    LinearStepModel,
+    ModelShape,
+    StepComposition,
+)
 
 
 def fit_linear(
@@ -22,7 +28,8 @@ def fit_linear(
     decode_gathers: bool = True,
 ) -> tuple[LinearStepModel, dict[str, float]]:
     """Fit coefficients over ``features`` to (composition, seconds) samples; ``decode_gathers`` (how
-    the samples' engine counted ``gathered_kv``, see ``engine_decodes_gather``) is kept in the model.
+    the samples' engine counted ``gathered_kv``, see ``engine_decodes_gather``) is kept in the model,
+    and so is the samples' ``stack_rows`` (as ``decode_stack_rows``).
 
     Returns:
         (model, fit statistics: ``n``, ``mean_abs_rel_err``, ``p90_abs_rel_err``, ``max_abs_rel_err``).
@@ -55,7 +62,9 @@ def fit_linear(
     full = dict.fromkeys(features, 0.0)
     for j, c in zip(active, coef, strict=True):
         full[features[j]] = max(float(c), 0.0)
-    fitted = LinearStepModel(full, model or ModelShape(), source, decode_gathers)
+    # The samples' engine decides which steps were eager; the simulator must build its steps alike.
+    stack_rows = max((c.stack_rows for c, _ in samples), default=SMALL_STEP_ROWS)
+    fitted = LinearStepModel(full, model or ModelShape(), source, decode_gathers, stack_rows)
     rel = np.abs(x @ np.array([full[f] for f in features]) - y) / y
     stats = {
         "n": float(len(y)),

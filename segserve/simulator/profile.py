@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from segserve.simulator.drift import drift_warning, reference_drift
 from segserve.simulator.replica import composition
-from segserve.simulator.step_model import StepComposition
+from segserve.simulator.step_model import SMALL_STEP_ROWS, StepComposition
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def run_scenario(
 ) -> list[tuple[StepComposition, float]]:
     """Run one scenario on a fresh engine; returns (composition, seconds) per step."""
     from segserve import LLMEngine, SamplingParams
-    from segserve.simulator.replay import engine_decodes_gather
+    from segserve.simulator.replay import engine_decodes_gather, engine_stack_rows
     from segserve.simulator.workload import TraceRequest, prompt_token_ids
 
     engine = LLMEngine(
@@ -64,8 +64,10 @@ def run_scenario(
     prompt = prompt_token_ids(TraceRequest(0, sc.prompt_len, 1, (seed,)), 0, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=sc.max_tokens, ignore_eos=True)
     captured: list[StepComposition] = []
-    gathers = engine_decodes_gather(engine)
-    engine.schedule_observers.append(lambda out: captured.append(composition(engine.scheduler, out, gathers)))
+    gathers, rows = engine_decodes_gather(engine), engine_stack_rows(engine)
+    engine.schedule_observers.append(
+        lambda out: captured.append(composition(engine.scheduler, out, gathers, rows))
+    )
     samples: list[tuple[StepComposition, float]] = []
 
     def step() -> None:
@@ -120,20 +122,22 @@ def model_shape_of(loaded, dtype_bytes: int = 4) -> dict:
 
 def samples_to_json(samples: list[tuple[StepComposition, float]]) -> list[dict]:
     """Samples as JSON rows: ``{"seconds", "padded", "gathered", "slices": [[prior, chunk, is_decode,
-    samples]]}``."""
+    samples]], "stack_rows"}``."""
     return [
         {
             "seconds": t,
             "padded": c.padded_tokens,
             "gathered": c.gathered_tokens,
             "slices": [[s.prior, s.chunk, s.is_decode, s.samples] for s in c.slices],
+            "stack_rows": c.stack_rows,
         }
         for c, t in samples
     ]
 
 
 def samples_from_json(rows: list[dict]) -> list[tuple[StepComposition, float]]:
-    """Inverse of ``samples_to_json`` (files written before ``gathered`` existed read it as 0).
+    """Inverse of ``samples_to_json`` (files written before ``gathered`` existed read it as 0, before
+    ``stack_rows`` as ``SMALL_STEP_ROWS``).
 
     Raises:
         ValueError: a row that is not ``{"seconds", "padded", "slices": [[prior, chunk, is_decode,
@@ -145,7 +149,9 @@ def samples_from_json(rows: list[dict]) -> list[tuple[StepComposition, float]]:
     for i, r in enumerate(rows):
         try:
             slices = tuple(RequestSlice(int(a), int(b), bool(c), bool(d)) for a, b, c, d in r["slices"])
-            comp = StepComposition(slices, int(r["padded"]), int(r.get("gathered", 0)))
+            comp = StepComposition(
+                slices, int(r["padded"]), int(r.get("gathered", 0)), int(r.get("stack_rows", SMALL_STEP_ROWS))
+            )
             out.append((comp, float(r["seconds"])))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
@@ -190,7 +196,7 @@ class _Prober:
     def __init__(self, engine, seed: int) -> None:
         import random
 
-        from segserve.simulator.replay import engine_decodes_gather
+        from segserve.simulator.replay import engine_decodes_gather, engine_stack_rows
 
         self.engine = engine
         self.rng = random.Random(seed)
@@ -198,9 +204,9 @@ class _Prober:
         self.samples: list[tuple[StepComposition, float]] = []
         self._captured: list[StepComposition] = []
         self._ids = 0
-        gathers = engine_decodes_gather(engine)
+        gathers, rows = engine_decodes_gather(engine), engine_stack_rows(engine)
         engine.schedule_observers.append(
-            lambda out: self._captured.append(composition(engine.scheduler, out, gathers))
+            lambda out: self._captured.append(composition(engine.scheduler, out, gathers, rows))
         )
 
     def fresh(self, n: int) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from segserve.simulator.replica import RequestRecord, composition
-from segserve.simulator.step_model import StepComposition
+from segserve.simulator.step_model import SMALL_STEP_ROWS, StepComposition
 from segserve.simulator.workload import TraceRequest, prompt_token_ids
 
 
@@ -23,6 +23,17 @@ def engine_decodes_gather(engine) -> bool:
 
     cache = engine.runner.kv_caches[0]
     return not (cpu_kernels.enabled() and cpu_kernels.supports_cache(cache, cache.dtype))
+
+
+def engine_stack_rows(engine) -> int:
+    """``StepComposition.stack_rows`` for ``engine``: the rows up to which its decode-only steps run
+    the one-call compiled stack (``CpuStep.decode_stack_rows``), at least ``SMALL_STEP_ROWS``; just
+    that when the compiled kernels are off (then the step-size edge is the eager forward's)."""
+    from segserve.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.enabled():
+        return SMALL_STEP_ROWS
+    return max(SMALL_STEP_ROWS, engine.runner.cpu_step.decode_stack_rows())
 
 
 def replay(
@@ -44,10 +55,10 @@ def replay(
     step_times: list[float] = []
     compositions: list[StepComposition] = []
 
-    gathers = engine_decodes_gather(engine)
+    gathers, stack_rows = engine_decodes_gather(engine), engine_stack_rows(engine)
 
     def observe(out) -> None:
-        compositions.append(composition(engine.scheduler, out, gathers))
+        compositions.append(composition(engine.scheduler, out, gathers, stack_rows))
 
     engine.schedule_observers.append(observe)
     t0, pos = time.monotonic(), 0

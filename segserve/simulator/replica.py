@@ -18,7 +18,7 @@ from segserve.core.request import Request, is_decode
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from segserve.sampling_params import SamplingParams
-from segserve.simulator.step_model import RequestSlice, StepComposition, StepTimeModel
+from segserve.simulator.step_model import SMALL_STEP_ROWS, RequestSlice, StepComposition, StepTimeModel
 from segserve.simulator.workload import TraceRequest, prompt_token_ids
 
 FAKE_TOKEN = 7
@@ -79,10 +79,12 @@ class StepRecord:
     num_preempted: int
 
 
-def composition(scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool = True) -> StepComposition:
+def composition(
+    scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool = True, stack_rows: int = SMALL_STEP_ROWS
+) -> StepComposition:
     """The step's composition, read after ``schedule()``: each request's prior from ``out``, its
     lengths from the scheduler (tokens are appended only after the step); ``decodes_gather`` as in
-    :func:`segmented_gather_tokens`."""
+    :func:`segmented_gather_tokens`; ``stack_rows`` as in ``StepComposition``."""
     slices = []
     priors = out.num_prior_tokens()
     for rid, n in out.num_scheduled_tokens.items():
@@ -98,7 +100,7 @@ def composition(scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool
     gathered = segmented_gather_tokens(
         slices, rows, scheduler.block_size, scheduler.config.attention.kv_segment_size, decodes_gather
     )
-    return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded, gathered)
+    return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded, gathered, stack_rows)
 
 
 class _BlockIds(Sequence[int]):
@@ -225,7 +227,10 @@ class Replica:
                 f"replica {self.index}: {sched.get_num_unfinished_requests()} requests "
                 "unfinished but the scheduler scheduled nothing (KV pool too small?)"
             )
-        comp = composition(sched, out, getattr(self.model, "decode_gathers", True))
+        comp = composition(
+            sched, out, getattr(self.model, "decode_gathers", True),
+            getattr(self.model, "decode_stack_rows", SMALL_STEP_ROWS),
+        )
         start, duration = self.clock, self.model.predict(comp)
         self.clock += duration
         for rid in out.num_scheduled_tokens:

@@ -59,11 +59,15 @@ class StepComposition:
         padded_tokens: rows of the padded batch (the padding bucket), tokens.
         gathered_tokens: cached tokens the attention kernel copies out of non-consecutive blocks
             in each layer (``segmented_gather_tokens``); 0 when unknown.
+        stack_rows: rows up to which a decode-only step runs the one-call compiled decode stack
+            (``CpuStep.decode_stack_rows``: 64 for a float32 GGUF-block model, else ``SMALL_STEP_ROWS``);
+            such a step pays no ``eager_step``.
     """
 
     slices: tuple[RequestSlice, ...]
     padded_tokens: int
     gathered_tokens: int = 0
+    stack_rows: int = SMALL_STEP_ROWS
 
     @property
     def num_tokens(self) -> int:
@@ -77,15 +81,24 @@ class StepComposition:
     def num_prefill_tokens(self) -> int:
         return sum(s.chunk for s in self.slices if not s.is_decode)
 
+    @property
+    def eager(self) -> bool:
+        """Whether the step leaves the compiled small-row paths: more than ``SMALL_STEP_ROWS`` padded
+        rows, unless it is decodes only within ``stack_rows``."""
+        if self.padded_tokens <= SMALL_STEP_ROWS:
+            return False
+        decode_only = all(s.is_decode and s.chunk == 1 for s in self.slices)
+        return not (decode_only and self.padded_tokens <= self.stack_rows)
+
     def features(self) -> tuple[float, ...]:
         """The ``FEATURES`` vector: (1, padded rows, sampled rows, requests, prefill q-k pairs,
-        decode context tokens, gathered KV tokens, 1 if more than ``SMALL_STEP_ROWS`` padded rows)."""
+        decode context tokens, gathered KV tokens, 1 if the step is ``eager``)."""
         attn = sum(s.chunk * (s.prior + (s.chunk + 1) / 2) for s in self.slices if not s.is_decode)
         ctx = sum(s.prior + 1 for s in self.slices if s.is_decode)
         sampled = sum(1 for s in self.slices if s.samples)
         return (
             1.0, float(self.padded_tokens), float(sampled), float(len(self.slices)), attn, float(ctx),
-            float(self.gathered_tokens), float(self.padded_tokens > SMALL_STEP_ROWS),
+            float(self.gathered_tokens), float(self.eager),
         )
 
 
@@ -138,12 +151,15 @@ class LinearStepModel:
         decode_gathers: whether the measured engine's decodes gathered their KV (the eager segmented
             kernel) or read it in place (the compiled CPU kernels); the simulator counts
             ``gathered_kv`` the same way.
+        decode_stack_rows: the measured engine's ``stack_rows`` (see ``StepComposition``); the
+            simulator builds its compositions with it.
     """
 
     coefficients: dict[str, float]
     model: ModelShape = field(default_factory=ModelShape)
     source: str = ""
     decode_gathers: bool = True
+    decode_stack_rows: int = SMALL_STEP_ROWS
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURES)
@@ -153,6 +169,10 @@ class LinearStepModel:
             # A negative or NaN coefficient would predict negative or NaN step durations downstream.
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"step-model coefficient {name}={value!r} must be a finite number >= 0")
+        if not isinstance(self.decode_stack_rows, int) or self.decode_stack_rows < SMALL_STEP_ROWS:
+            raise ValueError(
+                f"decode_stack_rows={self.decode_stack_rows!r} must be an integer >= {SMALL_STEP_ROWS}"
+            )
 
     def predict(self, comp: StepComposition) -> float:
         return sum(self.coefficients.get(n, 0.0) * x for n, x in zip(FEATURES, comp.features(), strict=True))
@@ -164,6 +184,7 @@ class LinearStepModel:
             "model": asdict(self.model),
             "source": self.source,
             "decode_gathers": self.decode_gathers,
+            "decode_stack_rows": self.decode_stack_rows,
         }
 
 
@@ -255,7 +276,8 @@ def model_from_dict(data: dict) -> StepTimeModel:
     shape = ModelShape(**data["model"]) if "model" in data else ModelShape()
     if kind == "linear":
         return LinearStepModel(
-            dict(data["coefficients"]), shape, data.get("source", ""), bool(data.get("decode_gathers", True))
+            dict(data["coefficients"]), shape, data.get("source", ""), bool(data.get("decode_gathers", True)),
+            int(data.get("decode_stack_rows", SMALL_STEP_ROWS)),
         )
     if kind == "roofline":
         return RooflineStepModel(

@@ -176,17 +176,24 @@ class CpuStep:
                     self._stack = None
         return self._stack
 
+    def decode_stack_rows(self) -> int:
+        """Rows up to which a decode-only step may run the one-call decode stack:
+        ``MAX_DECODE_STACK_ROWS_BLOCKS`` for a model with GGUF-block projections, ``MAX_SMALL_ROWS``
+        for others, in the model's activation dtype (0 for a dtype the kernels do not take). The
+        simulator's ``eager_step`` feature follows it (``StepComposition.stack_rows``)."""
+        if self._has_blocks is None:
+            self._has_blocks = any(isinstance(m, QuantLinear) for m in _linears(self.model))
+        limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS if self._has_blocks else cpu_kernels.MAX_SMALL_ROWS
+        return limits.get(self.model.activation_dtype, 0)
+
     def _stack_takes(self, rows: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """Whether a step of ``rows`` (its ``(T,)`` ids or ``(T, H)`` states) is one the decode stack
         takes: decodes only (one row per request) over the segmented backend, and at most
         ``MAX_DECODE_STACK_ROWS_BLOCKS`` rows for a model with GGUF-block projections (the float32 block
         kernel takes any row count and beats the per-layer GEMMs up to 64), ``MAX_SMALL_ROWS`` for
         others."""
-        if self._has_blocks is None:
-            self._has_blocks = any(isinstance(m, QuantLinear) for m in _linears(self.model))
-        limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS if self._has_blocks else cpu_kernels.MAX_SMALL_ROWS
         return (
-            rows.shape[0] <= limits.get(self.model.activation_dtype, 0)
+            rows.shape[0] <= self.decode_stack_rows()
             and metadata.max_query_len == 1 and metadata.num_actual_tokens == metadata.num_reqs
             and getattr(self.model.layers[0].self_attn.attn_backend, "name", None)
             == SegmentedAttentionBackend.name
