@@ -55,3 +55,26 @@ def test_editing_a_header_changes_the_build_key(tmp_path: Path, monkeypatch) -> 
     header.write_text("#define A 2\n")
     assert build.source_hash() != first
     assert build.CSRC / "segserve_simd.h" in tuple(sorted(build.CSRC.glob("*.h")))
+
+
+def test_a_failing_source_is_named_and_the_others_still_link(tmp_path, monkeypatch):
+    """The sources compile concurrently (one compiler each); a broken one is named with its error."""
+    import shutil
+
+    from segserve.kernels import build
+
+    if shutil.which(build._compiler()) is None:
+        pytest.skip("no C compiler")
+    good, bad = tmp_path / "good.c", tmp_path / "bad.c"
+    good.write_text("int sg_good(void) { return 7; }\n")
+    bad.write_text("int sg_bad(void) { return missing_name; }\n")
+    monkeypatch.setattr(build, "SOURCES", (good, bad))
+    objs = tmp_path / "objs"
+    objs.mkdir()
+    with pytest.raises(RuntimeError, match=r"(?s)failed: bad\.c \(1\): .*missing_name"):
+        build._compile_and_link(build._compiler(), objs, str(tmp_path / "lib.so"))
+    monkeypatch.setattr(build, "SOURCES", (good,))
+    build._compile_and_link(build._compiler(), objs, str(tmp_path / "lib.so"))
+    import ctypes
+
+    assert ctypes.CDLL(str(tmp_path / "lib.so")).sg_good() == 7
