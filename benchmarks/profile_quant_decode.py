@@ -1,15 +1,20 @@
-"""Where a batch-1 decode step on GGUF blocks spends its time: end to end, the compiled one-call layer
-stack, the LM head, each projection kind alone, and what is left (engine, sampler, detokenizer).
+"""Where a batch-1 decode token on GGUF blocks spends its time, end to end: each phase of the compiled
+one-call layer stack (norm + QKV, RoPE + KV write, attention, O, norm + gate|up, SiLU + down), the
+LM head, sampling, and everything outside the model (scheduler, input building, output processing and
+detokenization), with each projection's achieved GB/s against the machine's read bandwidth
+(``--read-gbs``, default 29: this host's figure, measured with a compiled streaming loop on a quiet
+machine; PyTorch's reductions are too slow to measure it).
 
-Runs the default model (Q4_1 SmolLM2) or ``--model FILE`` with ``--dtype``, one request decoding
-``--tokens`` tokens after an 8-token prompt. The stack and LM head are timed by wrapping the runner's
-``CpuStep`` calls during that generation; each projection kind is timed alone with ``quant.linear`` on
-layer 0's weights (one row, median of many calls, less the median of a call on a one-block weight: the
-wrapper's own cost) and multiplied by the layer count; attention, RoPE and the KV write are the stack's
-time minus its projections. ``--int8`` runs with the int8-activation kernels (``SEGSERVE_QUANT_INT8``).
-Also prints the bandwidth floor: bytes of weights read per token over a measured copy bandwidth
-(``bench_decode.measure_bandwidth_gbs``).
-Prints one line per part and writes ``results/profile_quant_decode.json``.
+Runs the default model (Q4_1 SmolLM2) or ``--model FILE`` with ``--dtype``: one request of a
+``--prompt-len``-token prompt decoding ``--tokens`` tokens, greedy, ``--rounds`` times. Inside the stack
+the phases come from the library's own clock (``cpu.stack_timing``: its first thread's time per phase,
+each up to the end of its closing barrier, so waiting for the other thread counts); the rest from
+``time.perf_counter`` around the engine's calls (``scheduler.schedule``, ``runner.execute_model``,
+``CpuStep.forward`` / ``compute_logits``, the sampler, ``update_from_output``, the output processor).
+Reported per decode token (the prefill step and the first token left out), medians over rounds.
+``--int8`` runs with the int8-activation kernels (``SEGSERVE_QUANT_INT8``).
+
+Prints one line per part and writes ``--out`` as JSON. Quote the load average (printed) with it.
 """
 
 from __future__ import annotations
@@ -25,98 +30,129 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import measure_bandwidth_gbs  # noqa: E402
 
 from segserve import LLM, SamplingParams  # noqa: E402
+from segserve.kernels import cpu as cpu_kernels  # noqa: E402
 from segserve.kernels import quant  # noqa: E402
+from segserve.worker import model_runner  # noqa: E402
 
 
-def _timed_calls(fn, reps: int) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls (after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+class Timers:
+    """Named accumulators of seconds, filled by wrapped callables while ``on``."""
 
+    def __init__(self) -> None:
+        self.s: dict[str, float] = {}
+        self.on = False
 
-def _wrap(obj, name: str, sink: list[float]) -> None:
-    inner = getattr(obj, name)
+    def wrap(self, obj, attr: str, name: str) -> None:
+        inner = getattr(obj, attr)
 
-    def timed(*a, **k):
-        t0 = time.perf_counter()
-        out = inner(*a, **k)
-        sink.append(time.perf_counter() - t0)
-        return out
+        def timed(*a, **k):
+            if not self.on:
+                return inner(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
 
-    setattr(obj, name, timed)
+        setattr(obj, attr, timed)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--int8", action="store_true", help="int8 activations (quant.set_int8)")
+    p.add_argument("--read-gbs", type=float, default=29.0,
+                   help="the machine's read bandwidth, GB/s, that achieved rates are compared with")
     p.add_argument("--out", default="results/profile_quant_decode.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     quant.set_int8(args.int8)
     kw = {} if args.model is None else {"model": args.model}
-    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes=256 << 20,
-              enable_prefix_caching=False, **kw)
-    step = llm.llm_engine.runner.cpu_step
-    prompt = [1, 504, 3458, 282, 4649, 314, 253, 216]
-
-    def gen(n: int) -> float:
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=n,
-                                                                     ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t0
-
-    gen(4)
-    t1, tn = statistics.median(gen(1) for _ in range(3)), None
-    fwd, head = [], []
-    _wrap(step, "forward", fwd)
-    _wrap(step, "compute_logits", head)
-    tn = gen(args.tokens + 1)
-    per_tok = (tn - t1) / args.tokens
-    fwd_ms, head_ms = statistics.median(fwd[1:]) * 1e3, statistics.median(head[1:]) * 1e3
-
+    llm = LLM(dtype=args.dtype, max_model_len=2048, enable_prefix_caching=False, **kw)
+    engine = llm.llm_engine
+    runner, step = engine.runner, engine.runner.cpu_step
     model = step.model
-    dt = model.activation_dtype
-    layer = model.layers[0]
-    kinds = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
-             "down": layer.mlp.down_proj}
-    lin = {}
-    w0 = kinds["o"].quant_weight
-    tiny = type(w0)(w0.data[:1, : w0.data.shape[1] // (w0.shape[1] // 32)].contiguous(), w0.qtype, 32)
-    x0 = torch.randn(1, 32, dtype=dt)
-    call = _timed_calls(lambda: quant.linear(x0, tiny), 300)
-    for name, mod in kinds.items():
-        w = mod.quant_weight
-        x = torch.randn(1, w.shape[1], dtype=dt)
-        lin[name] = (_timed_calls(lambda w=w, x=x: quant.linear(x, w), 300) - call) * 1e3 * len(model.layers)
-    lin_ms = sum(lin.values())
-    wbytes = sum(m.quant_weight.nbytes for lay in model.layers for m in (
-        lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj, lay.mlp.down_proj))
-    head_bytes = model.quantized_lm_head.nbytes
-    bw = measure_bandwidth_gbs()
-    rep = {
-        "dtype": args.dtype, "int8": quant.int8_enabled(), "load": os.getloadavg()[0],
-        "decode_tok_s": 1 / per_tok,
-        "step_ms": per_tok * 1e3, "stack_and_embed_ms": fwd_ms, "lm_head_ms": head_ms,
-        "linears_ms": lin, "attention_rope_kv_ms": fwd_ms - lin_ms,
-        "engine_overhead_ms": per_tok * 1e3 - fwd_ms - head_ms,
-        "weight_bytes_per_token": wbytes + head_bytes, "copy_gb_s": bw,
-        "bandwidth_floor_ms": (wbytes + head_bytes) / bw / 1e6,
+    nl = len(model.layers)
+    prompt = [(37 * t + 11) % 40000 + 100 for t in range(args.prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens + 1, ignore_eos=True)
+
+    t = Timers()
+    t.wrap(engine.scheduler, "schedule", "schedule")
+    t.wrap(engine.scheduler, "update_from_output", "update_from_output")
+    t.wrap(engine.output_processor, "process", "output_processing")
+    t.wrap(runner, "execute_model", "execute_model")
+    t.wrap(step, "forward", "forward")
+    t.wrap(step, "compute_logits", "lm_head")
+    t.wrap(model_runner, "sample", "sample")
+    phases = torch.zeros(nl, len(cpu_kernels.STACK_PHASES), dtype=torch.int64)
+
+    rounds = []
+    for r in range(args.rounds + 1):  # round 0 warms up
+        engine.add_request(f"p{r}", {"prompt_token_ids": prompt}, params)
+        engine.step()  # the prefill (and first token): not timed
+        t.s.clear()
+        phases.zero_()
+        cpu_kernels.stack_timing(phases)
+        t.on = True
+        steps, t0 = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            with_step = time.perf_counter()
+            engine.step()
+            t.s["step"] = t.s.get("step", 0.0) + time.perf_counter() - with_step
+            steps += 1
+        wall = time.perf_counter() - t0
+        t.on = False
+        cpu_kernels.stack_timing(None)
+        if r == 0:
+            continue
+        per = {k: v / steps * 1e3 for k, v in t.s.items()}
+        per["wall"] = wall / steps * 1e3
+        ph = phases.double().sum(0) / steps / 1e6
+        for i, name in enumerate(cpu_kernels.STACK_PHASES):
+            per[f"stack_{name}"] = float(ph[i])
+        per["stack_total"] = float(ph.sum())
+        rounds.append(per)
+
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    mins = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    derived = {
+        "forward_outside_stack": med["forward"] - med["stack_total"],  # embed, RoPE tables, final norm
+        "runner_rest": med["execute_model"] - med["forward"] - med["lm_head"] - med["sample"],  # inputs
+        "engine_rest": med["step"] - med["execute_model"] - med["schedule"] - med["update_from_output"]
+        - med["output_processing"],
     }
-    for k, v in rep.items():
-        print(f"{k}: {v if not isinstance(v, float) else round(v, 3)}")
+    layer = model.layers[0]
+    mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj}
+    bw = args.read_gbs
+    gbs = {}
+    for name, mod in mods.items():
+        nbytes = mod.quant_weight.nbytes * nl
+        gbs[name] = nbytes / (med[f"stack_{name}"] * 1e-3) / 1e9
+    head = model.quantized_lm_head
+    if head is not None:
+        gbs["lm_head"] = head.nbytes / (med["lm_head"] * 1e-3) / 1e9
+    rep = {
+        "model": args.model or "default", "dtype": args.dtype, "int8": quant.int8_enabled(),
+        "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
+        "load_avg": os.getloadavg(), "ms_per_token_median": med, "ms_per_token_min": mins,
+        "derived_ms": derived, "gb_s": gbs, "read_gb_s": bw,
+        "weight_bytes": sum(m.quant_weight.nbytes for m in mods.values()) * nl + (head.nbytes if head else 0),
+    }
+    print(f"load {os.getloadavg()}  (ms per decode token: median / min over rounds)")
+    for k in med:
+        print(f"  {k:24s} {med[k]:8.3f} {mins[k]:8.3f}")
+    for k, v in derived.items():
+        print(f"  {k:24s} {v:8.3f}")
+    for k, v in gbs.items():
+        print(f"  GB/s {k:19s} {v:8.1f}  ({100 * v / bw:.0f} % of {bw:g} GB/s)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rep, indent=1))
 

@@ -702,3 +702,34 @@ class DecodeStack:
         _raise_decode_error(rc, m, block_table, block_size, num_blocks)
         _check(rc, "sg_decode_stack")
         return h
+
+
+STACK_PHASES = ("qkv", "rope_kv", "attention", "o", "gate_up", "down")
+
+
+def stack_timing(buf: torch.Tensor | None) -> None:
+    """Profiling hook: while ``buf`` is set, each :meth:`DecodeStack.run` of this thread adds to
+    ``buf[l, p]`` the nanoseconds its first OpenMP thread spent in phase ``p`` of layer ``l`` (layers
+    beyond ``buf``'s rows are not timed), in the
+    order of :data:`STACK_PHASES` (norm + QKV, RoPE + KV write, attention, O, norm + gate|up,
+    SiLU + down), each up to the end of its closing barrier (waiting for the other thread counts).
+
+    Args:
+        buf: ``(layers, len(STACK_PHASES))`` contiguous int64 CPU tensor, zeroed by the caller and
+            held by it while set; ``None`` turns the hook off.
+
+    Raises:
+        ValueError: ``buf`` is not such a tensor.
+    """
+    lib = _library()
+    if lib is None:
+        raise ValueError(f"the compiled kernels are unavailable: {unavailable_reason()}")
+    lib.sg_stack_timing.argtypes, lib.sg_stack_timing.restype = [_P, _L], None
+    if buf is None:
+        lib.sg_stack_timing(None, 0)
+        return
+    if buf.dtype != torch.int64 or buf.dim() != 2 or buf.shape[1] != len(STACK_PHASES) \
+            or not buf.is_contiguous() or buf.device.type != "cpu":
+        raise ValueError(f"buf must be a contiguous (layers, {len(STACK_PHASES)}) int64 CPU tensor, got "
+                         f"{tuple(buf.shape)} {buf.dtype}")
+    lib.sg_stack_timing(buf.data_ptr(), buf.shape[0])

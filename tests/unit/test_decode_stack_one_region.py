@@ -108,3 +108,30 @@ def test_block_stack_equals_the_per_kernel_path_bitwise(files, qtype, dtype, int
         _assert_same(model, monkeypatch)
     finally:
         quant.set_int8(old)
+
+
+def test_stack_timing_fills_every_phase_of_every_layer_and_stops_when_unset(files, monkeypatch) -> None:
+    model = load_model(files["Q4_1"], dtype=torch.float32).model
+    buf = torch.zeros(len(model.layers), len(cpu_kernels.STACK_PHASES), dtype=torch.int64)
+    cpu_kernels.stack_timing(buf)
+    try:
+        h, _ = _step(model, True, monkeypatch)
+    finally:
+        cpu_kernels.stack_timing(None)
+    assert (buf > 0).all(), buf
+    assert (buf < 10**9).all(), buf  # nanoseconds of a tiny step's phase, not garbage
+    timed = buf.clone()
+    h_again, _ = _step(model, True, monkeypatch)
+    assert torch.equal(buf, timed)  # off: nothing more added
+    assert torch.equal(h[:3], h_again[:3])  # timing changes no result
+    short = torch.zeros(1, len(cpu_kernels.STACK_PHASES), dtype=torch.int64)  # fewer rows than layers
+    cpu_kernels.stack_timing(short)
+    try:
+        _step(model, True, monkeypatch)
+    finally:
+        cpu_kernels.stack_timing(None)
+    assert (short > 0).all()
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.stack_timing(torch.zeros(2, 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\(layers, 6\)"):
+        cpu_kernels.stack_timing(torch.zeros(2, 5, dtype=torch.int64))

@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "segserve_simd.h"
 #include "segserve_quant.h"
@@ -48,7 +49,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define NT 4 /* rows of W per register tile */
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 7; }
+int sg_abi_version(void) { return 8; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -842,6 +843,29 @@ typedef struct {
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
 } sg_decode_stack_args;
 
+/* Phases of a decode-stack layer that sg_stack_timing accumulates, in order. */
+enum { PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_DOWN, STACK_PHASES };
+
+/* The calling thread's timing buffer for its next decode steps (see sg_stack_timing), or NULL. */
+static __thread int64_t *stack_timing;
+static __thread int64_t stack_timing_layers;
+
+/* Profiling hook: while buf is not NULL, every sg_decode_stack called from this thread adds to
+ * buf[l * 6 + p] (l < layers) the nanoseconds its team's thread 0 spent in phase p of layer l (norm +
+ * QKV, RoPE + KV write, attention, O, norm + gate|up, SiLU + down; each up to the end of its closing
+ * barrier, so waiting for the other threads counts in the phase). buf holds layers * 6 int64, zeroed
+ * by the caller; NULL turns it off. Per calling thread, so concurrent engines do not mix figures. */
+void sg_stack_timing(int64_t *buf, int64_t layers) {
+    stack_timing = layers > 0 ? buf : NULL;
+    stack_timing_layers = layers;
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 /* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
  * instead of ~200 times: per layer, h += o(attn(rope(qkv(norm1(h))))) and
  * h += down(silu_mul(gate_up(norm2(h)))), the same kernels as the per-op path in the same order.
@@ -916,8 +940,17 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         int failed = 0;
         const size_t nscores = attention_scores_floats(&att, &plan);
         const size_t kv_bytes = (size_t)width * es, num_slots = (size_t)num_blocks * block_size;
+        /* The caller's thread-locals: read before the region. */
+        int64_t *const timing = stack_timing, timing_layers = stack_timing_layers;
 #pragma omp parallel
         {
+            int64_t *tl = NULL, t_last = 0;
+#define STAMP(phase)                                                                                       \
+    if (tl) {                                                                                              \
+        int64_t t_now = now_ns();                                                                          \
+        tl[phase] += t_now - t_last;                                                                       \
+        t_last = t_now;                                                                                    \
+    }
             void *buf = malloc(bufbytes);
             float *scores = (float *)malloc(sizeof(float) * nscores);
             if (!buf || !scores) {
@@ -936,9 +969,16 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 da.x = gate_up, da.w = ly->down, da.wqt = ly->down_wqt, da.y = h;
                 sg_decode_attention_args la = att;
                 la.cache = ly->kv_cache;
+                if (timing && l < timing_layers && omp_get_thread_num() == 0) {
+                    tl = timing + l * STACK_PHASES;
+                    t_last = now_ns();
+                } else {
+                    tl = NULL;
+                }
                 int64_t ld;
                 const void *xin = linear_input(&qa, buf, &ld);
                 linear_tiles(&qa, xin, ld, i8);
+                STAMP(PH_QKV)
                 /* RoPE of each row, then its K and V into the cache (sg_rope and sg_write_kv). */
                 char *kc = (char *)ly->kv_cache;
 #pragma omp for schedule(static)
@@ -950,14 +990,20 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                                qkv + (size_t)t * nqkv * es + es * (nq + width), kv_bytes);
                     }
                 }
+                STAMP(PH_ROPE_KV)
                 attention_team(&la, &plan, scores);
+                STAMP(PH_ATTENTION)
                 xin = linear_input(&oa, buf, &ld);
                 linear_tiles(&oa, xin, ld, i8);
+                STAMP(PH_O)
                 xin = linear_input(&ga, buf, &ld);
                 linear_tiles(&ga, xin, ld, i8);
+                STAMP(PH_GATE_UP)
                 xin = linear_input(&da, buf, &ld);
                 linear_tiles(&da, xin, ld, i8);
+                STAMP(PH_DOWN)
             }
+#undef STAMP
             free(buf);
             free(scores);
         }
