@@ -704,15 +704,15 @@ class DecodeStack:
         return h
 
 
-STACK_PHASES = ("qkv", "rope_kv", "attention", "o", "gate_up", "down")
+STACK_PHASES = ("qkv", "attention", "o", "gate_up", "down")
 
 
 def stack_timing(buf: torch.Tensor | None) -> None:
     """Profiling hook: while ``buf`` is set, each :meth:`DecodeStack.run` of this thread adds to
     ``buf[l, p]`` the nanoseconds its first OpenMP thread spent in phase ``p`` of layer ``l`` (layers
     beyond ``buf``'s rows are not timed), in the
-    order of :data:`STACK_PHASES` (norm + QKV, RoPE + KV write, attention, O, norm + gate|up,
-    SiLU + down), each up to the end of its closing barrier (waiting for the other thread counts).
+    order of :data:`STACK_PHASES` (norm + QKV, attention with its RoPE and KV write, O,
+    norm + gate|up, SiLU + down), each up to the end of its closing barrier (waiting for the other thread counts).
 
     Args:
         buf: ``(layers, len(STACK_PHASES))`` contiguous int64 CPU tensor, zeroed by the caller and

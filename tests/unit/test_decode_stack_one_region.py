@@ -132,6 +132,6 @@ def test_stack_timing_fills_every_phase_of_every_layer_and_stops_when_unset(file
         cpu_kernels.stack_timing(None)
     assert (short > 0).all()
     with pytest.raises(ValueError, match="int64"):
-        cpu_kernels.stack_timing(torch.zeros(2, 6, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"\(layers, 6\)"):
-        cpu_kernels.stack_timing(torch.zeros(2, 5, dtype=torch.int64))
+        cpu_kernels.stack_timing(torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\(layers, 5\)"):
+        cpu_kernels.stack_timing(torch.zeros(2, 6, dtype=torch.int64))

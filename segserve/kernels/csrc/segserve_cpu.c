@@ -439,27 +439,31 @@ static void rope_row16(void *x, int64_t base0, int64_t H, int64_t D, const float
     }
 }
 
-/* Row t of sg_rope (its tables rounded to dt, then every head of the row rotated). */
-static void rope_one(const sg_rope_args *a, int64_t t) {
-    const int dt = a->dt;
-    const int64_t H = a->H, D = a->D, row_stride = a->row_stride;
-    void *x = a->x;
-    const float *cos = a->cos, *ssin = a->ssin;
-    float tmp[1024], c[1024], s[1024];
+/* Row t's RoPE tables (D floats each) rounded to dt: c from cos, s from ssin. */
+static void rope_tables(const float *cos, const float *ssin, int64_t t, int64_t D, int dt, float *c, float *s) {
     if (D % 32 == 0) {
         for (int64_t d = 0; d < D; d += 16) {
             _mm512_storeu_ps(c + d, round16x(_mm512_loadu_ps(cos + t * D + d), dt));
             _mm512_storeu_ps(s + d, round16x(_mm512_loadu_ps(ssin + t * D + d), dt));
         }
-        rope_row16(x, t * row_stride, H, D, c, s, dt);
         return;
     }
     for (int64_t d = 0; d < D; d++) {
         c[d] = round_dt(cos[t * D + d], dt);
         s[d] = round_dt(ssin[t * D + d], dt);
     }
+}
+
+/* Heads [0, H) of x, the first at element base, rotated in place with one row's tables c, s: the
+ * vector loop for head dims that are a multiple of 32, else the scalar one (the same bits). */
+static void rope_heads(void *x, int64_t base0, int64_t H, int64_t D, const float *c, const float *s, int dt) {
+    if (D % 32 == 0) {
+        rope_row16(x, base0, H, D, c, s, dt);
+        return;
+    }
+    float tmp[1024];
     for (int64_t h = 0; h < H; h++) {
-        int64_t base = t * row_stride + h * D;
+        int64_t base = base0 + h * D;
         for (int64_t d = 0; d < D; d++) tmp[d] = load_dt(x, base + d, dt);
         for (int64_t d = 0; d < D; d++) {
             float ra = round_dt(tmp[d] * c[d], dt);
@@ -467,6 +471,13 @@ static void rope_one(const sg_rope_args *a, int64_t t) {
             store_dt(x, base + d, round_dt(ra + rb, dt), dt);
         }
     }
+}
+
+/* Row t of sg_rope (its tables rounded to dt, then every head of the row rotated). */
+static void rope_one(const sg_rope_args *a, int64_t t) {
+    float c[1024], s[1024];
+    rope_tables(a->cos, a->ssin, t, a->D, a->dt, c, s);
+    rope_heads(a->x, t * a->row_stride, a->H, a->D, c, s, a->dt);
 }
 
 /* Rotate heads [0, H) of each row of x in place: x*cos + roll(x, D/2)*ssin with the tables rounded
@@ -687,15 +698,82 @@ static size_t attention_scores_floats(const sg_decode_attention_args *a, const a
     return (size_t)(a->Hq / a->Hkv) * (p->seg + 16);
 }
 
-/* The segments (dynamic worksharing, one item at a time), then their merge (static), each loop ending
- * in the team's barrier; called by every thread of a region (or by one thread outside any). scores is
- * the calling thread's own buffer of attention_scores_floats. */
-static void attention_team(const sg_decode_attention_args *a, const att_plan *p, float *scores) {
+/* What the decode stack's attention does besides attending (attention_team's fz; NULL elsewhere), so
+ * that a step needs no RoPE + KV-write pass, and no barrier, of its own between QKV and attention. */
+struct att_fuse { /* internal: no ctypes mirror */
+    const float *cos;            /* (>= T, D) float32 RoPE rows, row rows[j] for decode j */
+    const float *ssin;           /* (>= T, D) float32, sin with its first half negated */
+    const int64_t *slot_mapping; /* (n,) cache slot of each decode's newest token */
+    int64_t nq;                  /* where K starts in a q row: Hq D (V follows at nq + Hkv D) */
+    void *cache;                 /* the layer's cache (a->cache, written here) */
+};
+typedef struct att_fuse att_fuse;
+
+/* One work item's query (decode j, KV head h) for the decode stack: its G query heads, unrotated in
+ * the fused QKV output, rotated (RoPE) into qf; and when the item holds the decode's newest token
+ * (newest), that token's K head rotated and its K and V heads written to its cache slot, before the
+ * item reads the cache. Exactly one item per (decode, KV head) holds the newest token and no other
+ * item reads that slot, so no barrier is needed. The rotation is rope_heads over the same tables as
+ * sg_rope's, so q and the cache get the same bits as a RoPE pass over the rows, then sg_write_kv. */
+static void fused_query(const sg_decode_attention_args *a, const att_fuse *fz, int64_t j, int64_t h, int newest,
+                        float *qf) {
+    const int dt = a->dt;
+    const int64_t G = a->Hq / a->Hkv, D = a->D, row = a->rows[j], width = a->Hkv * D;
+    const size_t es = dt == DT_F32 ? 4 : 2, hb = (size_t)D * es;
+    const char *qrow = (const char *)a->q + (size_t)row * a->ldq * es;
+    float c[MAX_D], s[MAX_D];
+    char heads[MAX_G * MAX_D * 4];
+    rope_tables(fz->cos, fz->ssin, row, D, dt, c, s);
+    memcpy(heads, qrow + (size_t)h * G * hb, (size_t)G * hb);
+    rope_heads(heads, 0, G, D, c, s, dt);
+    for (int64_t i = 0; i < G * D; i++) qf[i] = load_dt(heads, i, dt);
+    if (!newest) return;
+    const size_t slot = (size_t)fz->slot_mapping[j], num_slots = (size_t)a->num_blocks * a->block_size;
+    char *kc = (char *)fz->cache;
+    memcpy(heads, qrow + (size_t)(fz->nq + h * D) * es, hb);
+    rope_heads(heads, 0, 1, D, c, s, dt);
+    memcpy(kc + (slot * width + h * D) * es, heads, hb);
+    memcpy(kc + ((num_slots + slot) * width + h * D) * es, qrow + (size_t)(fz->nq + width + h * D) * es, hb);
+}
+
+/* Decode j = pi / Hkv's KV head h = pi % Hkv: its segments merged, L = max m_s,
+ * o = sum o_s e^(m_s - L) / sum l_s e^(m_s - L), into row rows[j] of out ((T, Hq, D) dt). */
+static void merge_one(const sg_decode_attention_args *a, const att_plan *p, int64_t pi, void *out) {
+    const int dt = a->dt;
+    const int64_t Hq = a->Hq, Hkv = a->Hkv, D = a->D, G = Hq / Hkv, j = pi / Hkv, h = pi % Hkv;
+    const int64_t *first = p->first, row = a->rows[j];
+    const float *po = p->po, *pm = p->pm, *pl = p->pl;
+    for (int64_t g = 0; g < G; g++) {
+        float mx = -INFINITY, denom = 0.0f, o[MAX_D];
+        for (int64_t s = first[j]; s < first[j + 1]; s++) {
+            float ms = pm[(s * Hkv + h) * G + g];
+            mx = ms > mx ? ms : mx;
+        }
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t s = first[j]; s < first[j + 1]; s++) {
+            int64_t it = s * Hkv + h;
+            float wgt = expf(pm[it * G + g] - mx);
+            denom += pl[it * G + g] * wgt;
+            const float *os = po + (it * G + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] += os[d] * wgt;
+        }
+        for (int64_t d = 0; d < D; d++) store_dt(out, (row * Hq + h * G + g) * D + d, o[d] / denom, dt);
+    }
+}
+
+/* The segments (dynamic worksharing, one item at a time), then their merge, called by every thread of
+ * a region (or by one thread outside any); scores is the calling thread's own buffer of
+ * attention_scores_floats. The segment loop ends in the team's barrier. The merge is shared (static
+ * worksharing, a->out, a second barrier), or, with own_out, done whole by every thread into its own
+ * (T, Hq, D) buffer: no barrier, for steps of a few decodes where the merge is a few thousand values
+ * (the prologue rows' trade, see linear_input). fz: the decode stack's RoPE and KV write (fused_query),
+ * or NULL when q is rotated and the cache written already. */
+static void attention_team(const sg_decode_attention_args *a, const att_plan *p, float *scores, const att_fuse *fz,
+                           void *own_out) {
     const int dt = a->dt;
     const int64_t n = a->n, Hq = a->Hq, Hkv = a->Hkv, D = a->D, ldq = a->ldq, num_blocks = a->num_blocks;
     const int64_t block_size = a->block_size, ld_bt = a->ld_bt, seg = p->seg, items = p->items;
     const void *q = a->q, *cache = a->cache;
-    void *out = a->out;
     const int64_t *rows = a->rows, *req = a->reqs, *lens = a->lens, *first = p->first;
     const int32_t *block_table = a->block_table;
     const float scale = a->scale;
@@ -716,8 +794,11 @@ static void attention_team(const sg_decode_attention_args *a, const att_plan *p,
         }
         j = lo;
         int64_t s = sidx - first[j], t0 = s * seg, t1 = t0 + seg < lens[j] ? t0 + seg : lens[j];
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) qf[g * D + d] = load_dt(q, rows[j] * ldq + (h * G + g) * D + d, dt);
+        if (fz)
+            fused_query(a, fz, j, h, sidx == first[j + 1] - 1, qf);
+        else
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = 0; d < D; d++) qf[g * D + d] = load_dt(q, rows[j] * ldq + (h * G + g) * D + d, dt);
         const int32_t *bt = block_table + req[j] * ld_bt;
         float *o = po + it * G * D, *mm = pm + it * G, *ll = pl + it * G;
         /* Common head shapes get copies with G and D constant, so their accumulators live in
@@ -738,27 +819,12 @@ static void attention_team(const sg_decode_attention_args *a, const att_plan *p,
 #undef CASES
 #undef SEGMENT
     }
-    /* Merge each (decode, KV head)'s segments: L = max m_s; o = sum o_s e^(m_s - L) / sum l_s e^(m_s - L). */
-#pragma omp for schedule(static)
-    for (int64_t pi = 0; pi < n * Hkv; pi++) {
-        int64_t j = pi / Hkv, h = pi % Hkv;
-        for (int64_t g = 0; g < G; g++) {
-            float mx = -INFINITY, denom = 0.0f, o[MAX_D];
-            for (int64_t s = first[j]; s < first[j + 1]; s++) {
-                float ms = pm[(s * Hkv + h) * G + g];
-                mx = ms > mx ? ms : mx;
-            }
-            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-            for (int64_t s = first[j]; s < first[j + 1]; s++) {
-                int64_t it = s * Hkv + h;
-                float wgt = expf(pm[it * G + g] - mx);
-                denom += pl[it * G + g] * wgt;
-                const float *os = po + (it * G + g) * D;
-                for (int64_t d = 0; d < D; d++) o[d] += os[d] * wgt;
-            }
-            for (int64_t d = 0; d < D; d++) store_dt(out, (rows[j] * Hq + h * G + g) * D + d, o[d] / denom, dt);
-        }
+    if (own_out) {
+        for (int64_t pi = 0; pi < n * Hkv; pi++) merge_one(a, p, pi, own_out);
+        return;
     }
+#pragma omp for schedule(static)
+    for (int64_t pi = 0; pi < n * Hkv; pi++) merge_one(a, p, pi, a->out);
 }
 
 /* sg_decode_attention without its checks: plan, then one region for the segments and the merge.
@@ -776,7 +842,7 @@ static int decode_attention(const sg_decode_attention_args *a) {
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) attention_team(a, &p, scores);
+        if (!failed) attention_team(a, &p, scores, NULL, NULL);
         free(scores);
     }
     attention_plan_free(&p);
@@ -844,17 +910,21 @@ typedef struct {
 } sg_decode_stack_args;
 
 /* Phases of a decode-stack layer that sg_stack_timing accumulates, in order. */
-enum { PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_DOWN, STACK_PHASES };
+enum { PH_QKV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_DOWN, STACK_PHASES };
+
+/* Decodes up to which every thread of the stack merges the attention partials itself (attention_team's
+ * own_out): at most 8 x Hq x D values, fewer cycles than the barrier a shared merge ends in. */
+#define OWN_MERGE_ROWS 8
 
 /* The calling thread's timing buffer for its next decode steps (see sg_stack_timing), or NULL. */
 static __thread int64_t *stack_timing;
 static __thread int64_t stack_timing_layers;
 
 /* Profiling hook: while buf is not NULL, every sg_decode_stack called from this thread adds to
- * buf[l * 6 + p] (l < layers) the nanoseconds its team's thread 0 spent in phase p of layer l (norm +
- * QKV, RoPE + KV write, attention, O, norm + gate|up, SiLU + down; each up to the end of its closing
- * barrier, so waiting for the other threads counts in the phase). buf holds layers * 6 int64, zeroed
- * by the caller; NULL turns it off. Per calling thread, so concurrent engines do not mix figures. */
+ * buf[l * 5 + p] (l < layers) the nanoseconds its team's thread 0 spent in phase p of layer l (norm +
+ * QKV, attention with its RoPE and KV write, O, norm + gate|up, SiLU + down; each up to the end of its
+ * closing barrier, so waiting for the other threads counts in the phase). buf holds layers * 5 int64,
+ * zeroed by the caller; NULL turns it off. Per calling thread, so concurrent engines do not mix them. */
 void sg_stack_timing(int64_t *buf, int64_t layers) {
     stack_timing = layers > 0 ? buf : NULL;
     stack_timing_layers = layers;
@@ -871,7 +941,12 @@ static inline int64_t now_ns(void) {
  * h += down(silu_mul(gate_up(norm2(h)))), the same kernels as the per-op path in the same order.
  *
  * One OpenMP parallel region for the whole step, the kernels sharing its threads through orphaned
- * worksharing loops (7 barriers a layer), and every buffer allocated once per step: with a parallel
+ * worksharing loops, and every buffer allocated once per step. Five barriers a layer for up to
+ * OWN_MERGE_ROWS decodes (QKV, attention segments, O, gate|up, down), six above: RoPE and the KV
+ * write are done by the attention items themselves (fused_query) and a few decodes' attention merge
+ * by every thread for itself, because on a shared 2-core machine a barrier costs whenever the other
+ * thread is descheduled (the phase of the old RoPE pass, ~1 us of work, took 2-330 us a layer under
+ * load 3-5 in profile_quant_decode.py). With a parallel
  * region per kernel (7 a layer, ~210 a step of 30 layers) and GOMP_SPINCOUNT low (segserve/openmp.py),
  * every region paid its sleeping threads' futex wake-up on top of the join. Each output element is
  * computed by the same code in the same order as by the per-kernel entry points (sg_linear, sg_rope,
@@ -897,7 +972,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
             a->rows[j] != j)
             return ERR_SHAPE;
     size_t es = dt == DT_F32 ? 4 : 2;
-    const int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D, width = Hkv * D;
+    const int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D;
     /* Every layer's four products, their shapes checked here (not one layer into the step). */
     sg_linear_args lin[4] = {
         {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = nqkv, .K = H, .ldx = H,
@@ -930,8 +1005,6 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         .out = attn, .T = M, .rows = a->rows, .num_blocks = num_blocks, .block_size = block_size,
         .block_table = a->block_table, .B = n, .ld_bt = a->ld_bt, .reqs = a->reqs, .lens = a->lens,
         .seg = a->seg, .scale = a->scale};
-    const sg_rope_args rope = {.size = sizeof rope, .dt = dt, .T = M, .H = Hq + Hkv, .D = D, .x = qkv,
-                               .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin};
     att_plan plan = {0};
     int rc = check_decodes(&att);
     if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8))) rc = ERR_NOMEM;
@@ -939,7 +1012,9 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     if (rc == OK) {
         int failed = 0;
         const size_t nscores = attention_scores_floats(&att, &plan);
-        const size_t kv_bytes = (size_t)width * es, num_slots = (size_t)num_blocks * block_size;
+        /* A few decodes: every thread merges the attention partials itself, into its own rows (no
+         * barrier; see attention_team). */
+        const int own_merge = n <= OWN_MERGE_ROWS;
         /* The caller's thread-locals: read before the region. */
         int64_t *const timing = stack_timing, timing_layers = stack_timing_layers;
 #pragma omp parallel
@@ -953,7 +1028,8 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     }
             void *buf = malloc(bufbytes);
             float *scores = (float *)malloc(sizeof(float) * nscores);
-            if (!buf || !scores) {
+            void *own = own_merge ? calloc((size_t)M * nq, es) : NULL; /* padding rows stay zero */
+            if (!buf || !scores || (own_merge && !own)) {
 #pragma omp atomic write
                 failed = 1;
             }
@@ -964,11 +1040,13 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 sg_linear_args qa = lin[0], oa = lin[1], ga = lin[2], da = lin[3];
                 qa.x = h, qa.norm_w = ly->ln1, qa.w = ly->qkv, qa.wqt = ly->qkv_wqt, qa.bias = ly->qkv_bias;
                 qa.y = qkv;
-                oa.x = attn, oa.w = ly->o, oa.wqt = ly->o_wqt, oa.y = h;
+                oa.x = own_merge ? own : attn, oa.w = ly->o, oa.wqt = ly->o_wqt, oa.y = h;
                 ga.x = h, ga.norm_w = ly->ln2, ga.w = ly->gate_up, ga.wqt = ly->gate_up_wqt, ga.y = gate_up;
                 da.x = gate_up, da.w = ly->down, da.wqt = ly->down_wqt, da.y = h;
                 sg_decode_attention_args la = att;
                 la.cache = ly->kv_cache;
+                const att_fuse fz = {.cos = a->cos, .ssin = a->ssin, .slot_mapping = slot_mapping, .nq = nq,
+                                     .cache = ly->kv_cache};
                 if (timing && l < timing_layers && omp_get_thread_num() == 0) {
                     tl = timing + l * STACK_PHASES;
                     t_last = now_ns();
@@ -979,19 +1057,8 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 const void *xin = linear_input(&qa, buf, &ld);
                 linear_tiles(&qa, xin, ld, i8);
                 STAMP(PH_QKV)
-                /* RoPE of each row, then its K and V into the cache (sg_rope and sg_write_kv). */
-                char *kc = (char *)ly->kv_cache;
-#pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) {
-                    rope_one(&rope, t);
-                    if (t < n) {
-                        memcpy(kc + (size_t)slot_mapping[t] * kv_bytes, qkv + (size_t)t * nqkv * es + es * nq, kv_bytes);
-                        memcpy(kc + (num_slots + (size_t)slot_mapping[t]) * kv_bytes,
-                               qkv + (size_t)t * nqkv * es + es * (nq + width), kv_bytes);
-                    }
-                }
-                STAMP(PH_ROPE_KV)
-                attention_team(&la, &plan, scores);
+                /* RoPE and the KV write happen inside the attention items (fused_query). */
+                attention_team(&la, &plan, scores, &fz, own);
                 STAMP(PH_ATTENTION)
                 xin = linear_input(&oa, buf, &ld);
                 linear_tiles(&oa, xin, ld, i8);
@@ -1006,6 +1073,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
 #undef STAMP
             free(buf);
             free(scores);
+            free(own);
         }
         if (failed) rc = ERR_NOMEM;
     }

@@ -90,10 +90,10 @@ static inline __attribute__((always_inline)) void qtile(int wqt, int nt, int mt,
         for (int j = 0; j < nt; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += SCALE_CHUNK) {
         int64_t cb = nb - b0 < SCALE_CHUNK ? nb - b0 : SCALE_CHUNK;
-        /* Q8_0's scale is its only per-block conversion: converting it in the loop measured faster
-         * (0.9x with the gathered copy), the 4-bit formats' two scales the other way (1.4x). */
-        if (wqt != WQT_Q8_0)
-            for (int j = 0; j < nt; j++) load_scales(wqt, wr[j], bb, b0, cb, sd[j], sm[j]);
+        /* Every format's scales gathered first: converting Q8_0's d in the loop costs a convert and a
+         * broadcast on the shuffle port per block and row; gathered, the loop broadcasts it from
+         * memory (M = 1, 8 rows, hot weights: 5.1 -> 4.7 cycles per block and row). */
+        for (int j = 0; j < nt; j++) load_scales(wqt, wr[j], bb, b0, cb, sd[j], sm[j]);
         for (int64_t c = 0; c < cb; c++) {
             int64_t b = b0 + c;
             __m512 lo[8], hi[8];
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void qtile(int wqt, int nt, int mt,
                 /* The same bytes Q_PF_GROUPS tiles on (a thread's tiles are consecutive rows): the
                  * hardware prefetcher alone left a batch-1 step waiting on memory (~1.5x slower). */
                 _mm_prefetch((const char *)blk + Q_PF_GROUPS * nt * nb * bb, _MM_HINT_T0);
-                float d = wqt == WQT_Q8_0 ? half_at(blk) : sd[j][c], m = wqt == WQT_Q4_1 ? sm[j][c] : 0.0f;
+                float d = sd[j][c], m = wqt == WQT_Q4_1 ? sm[j][c] : 0.0f;
                 dequant_block(wqt, blk, d, m, &lo[j], &hi[j]);
             }
             for (int i = 0; i < mt; i++) {
