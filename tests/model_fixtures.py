@@ -84,8 +84,9 @@ def tokenizer_tables(tok: Any) -> tuple[list[str], list[str]]:
 
 
 def tiny_hf_model(kind: str = "llama", vocab_size: int = 300, tie: bool = False,
-                  rope_parameters: dict | None = None, seed: int = 0) -> Any:
-    """A 2-layer transformers model (hidden 64, 4 query / 2 KV heads) with large random weights.
+                  rope_parameters: dict | None = None, seed: int = 0, hidden_size: int = 64) -> Any:
+    """A 2-layer transformers model (hidden 64 unless given, 4 query / 2 KV heads) with large random
+    weights.
 
     Weights are N(0, 0.2) and norm weights 1 + N(0, 0.1), biases included, so every tensor moves the
     logits by far more than the 1e-4 tolerance (HF's own init leaves biases 0 and norms 1).
@@ -93,7 +94,7 @@ def tiny_hf_model(kind: str = "llama", vocab_size: int = 300, tie: bool = False,
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
                   rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 5000.0})

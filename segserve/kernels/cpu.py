@@ -712,7 +712,8 @@ def stack_timing(buf: torch.Tensor | None) -> None:
     ``buf[l, p]`` the nanoseconds its first OpenMP thread spent in phase ``p`` of layer ``l`` (layers
     beyond ``buf``'s rows are not timed), in the
     order of :data:`STACK_PHASES` (norm + QKV, attention with its RoPE and KV write, O,
-    norm + gate|up, SiLU + down), each up to the end of its closing barrier (waiting for the other thread counts).
+    norm + gate|up, SiLU + down), each up to the end of its closing barrier (waiting for the other
+    thread counts).
 
     Args:
         buf: ``(layers, len(STACK_PHASES))`` contiguous int64 CPU tensor, zeroed by the caller and

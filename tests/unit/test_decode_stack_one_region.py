@@ -40,6 +40,11 @@ PROMPTS = [list(range(10, 23)), list(range(40, 45)), list(range(60, 90))]  # 13,
 ROWS = [[1, 4, 7, 9], [2, 5], [3, 6, 8, 10, 11, 12, 13, 14]]  # interleaved, room for one more token each
 
 
+# More decodes than the stack's OWN_MERGE_ROWS (8): its attention merge is shared by the threads then.
+MANY_PROMPTS = [list(range(100 + 7 * i, 100 + 7 * i + 3 + i)) for i in range(10)]  # 3 .. 12 tokens
+MANY_ROWS = [[1 + 4 * i, 2 + 4 * i, 3 + 4 * i, 4 + 4 * i] for i in range(10)]
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A tiny Hugging Face directory and the same model as Q4_1 and Q8_0 GGUF files."""
@@ -54,16 +59,18 @@ def files(tmp_path_factory):
 
 
 @torch.inference_mode()
-def _step(model, one_region: bool, monkeypatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Prefill the prompts eagerly, then one decode step of the three requests plus a padding row,
-    through the decode stack (``one_region``) or through ``forward_small`` layer by layer."""
+def _step(model, one_region: bool, monkeypatch, prompts=PROMPTS, rows=ROWS
+          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Prefill the prompts eagerly, then one decode step of the requests plus a padding row, through
+    the decode stack (``one_region``) or through ``forward_small`` layer by layer."""
     caches = new_caches(model, 64, BLOCK)
     with cpu_kernels.disabled():
-        for prompt, row in zip(PROMPTS, ROWS, strict=True):
+        for prompt, row in zip(prompts, rows, strict=True):
             md = build_attention_metadata([len(prompt)], [0], [row], BLOCK, 16, 512)
             model(torch.tensor(prompt), torch.arange(len(prompt)), caches, md)
-    priors = [len(p) for p in PROMPTS]
-    md = build_attention_metadata([1, 1, 1], priors, ROWS, BLOCK, 16, 512, num_padded_tokens=4)
+    priors = [len(p) for p in prompts]
+    n = len(prompts)
+    md = build_attention_metadata([1] * n, priors, rows, BLOCK, 16, 512, num_padded_tokens=n + 1)
     runs = []
     with monkeypatch.context() as m:
         if one_region:
@@ -75,19 +82,21 @@ def _step(model, one_region: bool, monkeypatch) -> tuple[torch.Tensor, list[torc
             m.setattr(CpuStep, "decode_stack", lambda self, *a, **k: None)
         old = cpu_kernels.set_enabled(True)
         try:
-            h = CpuStep(model).forward(torch.tensor([7, 8, 9, 0]), torch.tensor([*priors, 0]), caches, md)
+            ids = torch.tensor([7 + i for i in range(n)] + [0])
+            h = CpuStep(model).forward(ids, torch.tensor([*priors, 0]), caches, md)
         finally:
             cpu_kernels.set_enabled(old)
     assert runs == ([1] if one_region else [])  # each run took the path it names
     return h, caches
 
 
-def _assert_same(model, monkeypatch) -> None:
-    h_stack, caches_stack = _step(model, True, monkeypatch)
-    h_layers, caches_layers = _step(model, False, monkeypatch)
-    assert torch.equal(h_stack[:3], h_layers[:3])
+def _assert_same(model, monkeypatch, prompts=PROMPTS, rows=ROWS) -> None:
+    n = len(prompts)
+    h_stack, caches_stack = _step(model, True, monkeypatch, prompts, rows)
+    h_layers, caches_layers = _step(model, False, monkeypatch, prompts, rows)
+    assert torch.equal(h_stack[:n], h_layers[:n])
     assert all(torch.equal(a, b) for a, b in zip(caches_stack, caches_layers, strict=True))
-    assert h_stack[:3].abs().sum() > 0  # a real result, not two empty ones
+    assert h_stack[:n].abs().sum() > 0  # a real result, not two empty ones
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -135,3 +144,29 @@ def test_stack_timing_fills_every_phase_of_every_layer_and_stops_when_unset(file
         cpu_kernels.stack_timing(torch.zeros(2, 5, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"\(layers, 5\)"):
         cpu_kernels.stack_timing(torch.zeros(2, 6, dtype=torch.int64))
+
+
+@pytest.fixture(scope="module")
+def files_d64(tmp_path_factory):
+    """A tiny model with head dim 64 (hidden 256, 4 query heads), whose RoPE takes the vector loop
+    (head dims that are a multiple of 32; the other fixtures' 16 take the scalar one), dense and Q4_1."""
+    root = tmp_path_factory.mktemp("one_region_d64")
+    hf, tok = tiny_hf_model(hidden_size=256), train_tiny_tokenizer()
+    save_tiny_hf_dir(root / "hf", hf, tok)
+    write_tiny_gguf(root / "tiny-Q4_1.gguf", hf, tok, qtype="Q4_1")
+    return {"hf": root / "hf", "Q4_1": root / "tiny-Q4_1.gguf"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_64_stack_equals_the_per_kernel_path_bitwise(files_d64, dtype, monkeypatch) -> None:
+    """RoPE and the KV write inside the stack's attention items (vector RoPE loop) give the bits of
+    the separate RoPE pass and KV write."""
+    for kind in ("hf", "Q4_1"):
+        _assert_same(load_model(files_d64[kind], dtype=dtype).model, monkeypatch)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_more_decodes_than_own_merge_rows_equal_the_per_kernel_path(files, qtype, monkeypatch) -> None:
+    """Ten decodes (block models take the stack up to 64 rows): the shared attention merge path."""
+    model = load_model(files[qtype], dtype=torch.float32).model
+    _assert_same(model, monkeypatch, MANY_PROMPTS, MANY_ROWS)
