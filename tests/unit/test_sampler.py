@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from segserve.sampling_params import SamplingParams
-from segserve.worker.sampler import TOP_P_CANDIDATES, _filtered_probs, compute_logprobs, mix_seed, sample
+from segserve.worker.sampler import (
+    TOP_P_CANDIDATES,
+    _filtered_probs,
+    compute_logprobs,
+    greedy_ids,
+    mix_seed,
+    sample,
+)
 
 torch.set_num_threads(2)
 VOCAB = 1000
@@ -225,3 +232,21 @@ def test_mismatched_batch_raises() -> None:
         sample(_logits(2), [SamplingParams()], [None], [0])
     with pytest.raises(ValueError, match="top_k"):
         compute_logprobs(_logits(1), [0], top_k=-1)
+
+
+def test_greedy_ids_take_torch_argmax_rule_on_ties_nan_and_every_dtype() -> None:
+    """The numpy fast path picks what torch.argmax picks: the first of tied maxima, the first NaN,
+    -inf rows; other dtypes and non-contiguous rows too."""
+    logits = torch.tensor([
+        [0.5, 3.0, 3.0, -1.0, 3.0],                              # tie: first maximum, id 1
+        [1.0, float("nan"), 2.0, float("nan"), 9.0],             # NaN wins, first one: id 1
+        [float("-inf")] * 5,                                     # all -inf: id 0
+        [-2.0, -1.0, -3.0, -1.0, float("-inf")],                 # tie among negatives: id 1
+    ])
+    want = [1, 1, 0, 1]
+    assert greedy_ids(logits) == want == logits.argmax(dim=-1).tolist()
+    assert greedy_ids(logits.double()) == want
+    assert greedy_ids(logits.bfloat16()) == want
+    wide = torch.randn(3, 49152)
+    assert greedy_ids(wide[:, ::2]) == wide[:, ::2].argmax(dim=-1).tolist()  # strided rows
+    assert greedy_ids(wide) == wide.argmax(dim=-1).tolist()
