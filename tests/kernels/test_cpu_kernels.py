@@ -375,6 +375,22 @@ def test_decode_attention_does_not_depend_on_the_split(dtype: torch.dtype) -> No
         torch.testing.assert_close(split, whole, **tol)
 
 
+@pytest.mark.parametrize("prior", [256, 600, 40])
+def test_one_decode_split_into_equal_segments_equals_sdpa(prior: int) -> None:
+    """A single decode's context is cut into equal segments (257 tokens: 129 + 128, not 256 + 1):
+    float32 within summation order of SDPA on the same cache, for lengths that split and one that
+    does not."""
+    case = make_case([1], [prior], block_size=16, seg=512, seed=21)
+    md = case.metadata
+    before = case.cache.clone()
+    cpu_kernels.write_kv(case.cache, case.k, case.v, md.slot_mapping)  # the decode's own token
+    out = torch.zeros_like(case.q)
+    rows = torch.arange(1)
+    cpu_kernels.decode_attention(case.q, out, rows, case.cache, md.block_table, rows, md.seq_lens.long(), 512,
+                                 case.scale)
+    torch.testing.assert_close(out, sdpa_oracle(case, before), **FP32_TOL)
+
+
 def test_more_than_16_query_heads_per_kv_head_fall_back_to_the_eager_kernel() -> None:
     case = make_case([1, 5], [40, 20], block_size=16, seg=512, heads=(32, 1), head_dim=16, seed=14)
     out = SegmentedAttentionBackend().forward(case.q, case.k, case.v, case.cache.clone(), case.metadata,

@@ -657,7 +657,8 @@ static void attention_plan_free(att_plan *p) {
  * online softmax; "Flash-Decoding" split-KV, Dao et al. 2023). The segment is a->seg tokens at most,
  * and shorter when the contexts are short: few decodes over short contexts give fewer work items than
  * threads (one decode of 300 tokens with 2 KV heads is 2 items for seg = 512), so the segment is halved,
- * down to 64 tokens, until there are two work items per thread and every core has work. This differs
+ * down to 64 tokens, until there are two work items per thread and every core has work; a single
+ * decode's context is then cut into that many equal segments. This differs
  * from the eager segmented backend, which always walks kv_segment_size-token segments; it does not
  * change the result beyond rounding: the merge is exact in real arithmetic for any split, so another
  * split only reorders float32 sums: results of two splits agree within 1e-6 in float32 (observed
