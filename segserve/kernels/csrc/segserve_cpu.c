@@ -35,6 +35,7 @@
 
 #include "segserve_simd.h"
 #include "segserve_quant.h"
+#include "segserve_amx_team.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "segserve CPU kernels need AVX-512F and AVX-512 BF16"
@@ -48,7 +49,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define NT 4 /* rows of W per register tile */
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 7; }
+int sg_abi_version(void) { return 8; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -810,6 +811,10 @@ typedef struct {
     int32_t o_wqt;        /* format of o */
     int32_t gate_up_wqt;  /* format of gate_up */
     int32_t down_wqt;     /* format of down */
+    const void *qkv_amx;     /* qkv in sg_amx_pack's tile layout, for sg_decode_stack_args.amx; else NULL */
+    const void *o_amx;       /* o, the same */
+    const void *gate_up_amx; /* gate_up, the same */
+    const void *down_amx;    /* down, the same */
 } sg_layer;
 
 typedef struct {
@@ -840,7 +845,79 @@ typedef struct {
     int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
+    int32_t amx;                 /* nonzero: the projections as AMX tile products of the layers' *_amx
+                                    weights (bfloat16, 9 .. 64 rows; see layer_amx) */
 } sg_decode_stack_args;
+
+/* What the AMX layer body shares across a step (internal, tagged: no ctypes mirror). */
+typedef struct amx_step {
+    const sg_decode_stack_args *a;
+    const sg_rope_args *rope;
+    const att_plan *plan;
+    uint16_t *qkv;  /* (M, (Hq + 2 Hkv) D) */
+    uint16_t *attn; /* (M, Hq D), padding rows zero */
+    uint16_t *xn;   /* (M, H) RMSNorm rows */
+    uint16_t *act;  /* (M, I) SiLU-gated rows */
+} amx_step;
+
+/* Whether a's step can run layer_amx: bfloat16, AMX granted, every layer's projections dense with their
+ * tile copies given, and every product a shape sg_team_gemm_run takes (M <= 64 among them). */
+static int amx_fits(const sg_decode_stack_args *a) {
+    const int64_t M = a->M, H = a->H, I = a->I, nq = a->Hq * a->D, nqkv = nq + 2 * a->Hkv * a->D;
+    if (a->dt != DT_BF16 || !sg_amx_granted() || !sg_team_gemm_fits(M, nqkv, H, TEAM_EPI_NONE) ||
+        !sg_team_gemm_fits(M, H, nq, TEAM_EPI_RESIDUAL) || !sg_team_gemm_fits(M, 2 * I, H, TEAM_EPI_SILU_MUL) ||
+        !sg_team_gemm_fits(M, H, I, TEAM_EPI_RESIDUAL))
+        return 0;
+    for (int64_t l = 0; l < a->num_layers; l++) {
+        const sg_layer *ly = &a->layers[l];
+        if (ly->qkv_wqt != WQT_DENSE || ly->o_wqt != WQT_DENSE || ly->gate_up_wqt != WQT_DENSE ||
+            ly->down_wqt != WQT_DENSE || !ly->qkv_amx || !ly->o_amx || !ly->gate_up_amx || !ly->down_amx)
+            return 0;
+    }
+    return 1;
+}
+
+/* One layer of a bfloat16 decode step of 9-64 rows with its projections as AMX tile products
+ * (sg_team_gemm_run, segserve_amx_team.c), run by every thread of the stack's region. The operations and
+ * rounding points of forward_chunk over amx.linear, in its order, so the same bits: RMSNorm rows (sg_rows'
+ * code) into a shared buffer, qkv, RoPE and the KV write, attention, h += o, RMSNorm, gate/up with the
+ * SiLU gate in its epilogue, h += down. The norms are shared rows (one barrier each) rather than every
+ * thread's own copy as in the per-row path: at 64 rows a copy per thread would cost more than the
+ * barrier. 9 barriers a layer. */
+static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_attention_args *la, float *scores) {
+    const sg_decode_stack_args *a = s->a;
+    const int64_t M = a->M, H = a->H, I = a->I, n = a->n, nq = a->Hq * a->D, width = a->Hkv * a->D;
+    const int64_t nqkv = nq + 2 * width, num_slots = a->num_blocks * a->block_size;
+    const size_t kv_bytes = 2 * (size_t)width;
+    const int64_t *slot_mapping = a->slot_mapping;
+    uint16_t *h = a->h, *qkv = s->qkv;
+    char *kc = (char *)ly->kv_cache;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) prologue_row(DT_BF16, PRO_RMSNORM, H, h, H, m, ly->ln1, a->eps, s->xn);
+    sg_team_gemm g = {.M = M, .N = nqkv, .K = H, .x = s->xn, .ldx = H, .packed = ly->qkv_amx,
+                      .bias = ly->qkv_bias, .y = qkv, .ldy = nqkv, .epilogue = TEAM_EPI_NONE};
+    sg_team_gemm_run(&g);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++) { /* as the per-row path: sg_rope, then sg_write_kv */
+        rope_one(s->rope, t);
+        if (t < n) {
+            memcpy(kc + (size_t)slot_mapping[t] * kv_bytes, qkv + t * nqkv + nq, kv_bytes);
+            memcpy(kc + ((size_t)num_slots + slot_mapping[t]) * kv_bytes, qkv + t * nqkv + nq + width, kv_bytes);
+        }
+    }
+    attention_team(la, s->plan, scores);
+    g = (sg_team_gemm){.M = M, .N = H, .K = nq, .x = s->attn, .ldx = nq, .packed = ly->o_amx, .y = h, .ldy = H,
+                       .epilogue = TEAM_EPI_RESIDUAL};
+    sg_team_gemm_run(&g);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) prologue_row(DT_BF16, PRO_RMSNORM, H, h, H, m, ly->ln2, a->eps, s->xn);
+    g = (sg_team_gemm){.M = M, .N = 2 * I, .K = H, .x = s->xn, .ldx = H, .packed = ly->gate_up_amx,
+                       .y = s->act, .ldy = I, .epilogue = TEAM_EPI_SILU_MUL};
+    sg_team_gemm_run(&g);
+    g = (sg_team_gemm){.M = M, .N = H, .K = I, .x = s->act, .ldx = I, .packed = ly->down_amx, .y = h, .ldy = H,
+                       .epilogue = TEAM_EPI_RESIDUAL};
+    sg_team_gemm_run(&g);
+}
 
 /* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
  * instead of ~200 times: per layer, h += o(attn(rope(qkv(norm1(h))))) and
@@ -854,6 +931,9 @@ typedef struct {
  * sg_write_kv, sg_decode_attention), so the step equals their composition bit for bit; the prologue
  * rows (RMSNorm, SiLU gate) are made by every thread into its own buffer rather than once behind a
  * barrier (a few thousand values).
+ *
+ * With a->amx (bfloat16 steps of 9-64 rows) each layer is layer_amx instead: the projections as AMX
+ * tile products of prepacked weights inside the same region.
  *
  * Rows 0..n-1 of h are the decodes (row j is request j of the block table); rows n..M-1 are padding:
  * computed, never written to the cache, given zero attention output. Returns OK, ERR_LAYOUT,
@@ -872,6 +952,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || a->reqs[j] != j ||
             a->rows[j] != j)
             return ERR_SHAPE;
+    if (a->amx && !amx_fits(a)) return ERR_SHAPE;
     size_t es = dt == DT_F32 ? 4 : 2;
     const int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D, width = Hkv * D;
     /* Every layer's four products, their shapes checked here (not one layer into the step). */
@@ -900,6 +981,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
     void *gate_up = malloc(es * M * 2 * I);
     void *i8 = a->xq8 && any_block ? aligned_alloc(64, sg_quant_i8_scratch_bytes(M, kmax)) : NULL;
+    uint16_t *xn = a->amx ? (uint16_t *)malloc(es * M * H) : NULL; /* layer_amx's norm rows */
     /* Every layer's attention but for its cache: its q rows are the fused QKV output's Q heads. */
     sg_decode_attention_args att = {
         .size = sizeof att, .dt = dt, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .q = qkv, .ldq = nqkv,
@@ -910,12 +992,15 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                                .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin};
     att_plan plan = {0};
     int rc = check_decodes(&att);
-    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8))) rc = ERR_NOMEM;
+    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8) || (a->amx && !xn))) rc = ERR_NOMEM;
     if (rc == OK) rc = attention_plan(&att, &plan);
     if (rc == OK) {
         int failed = 0;
         const size_t nscores = attention_scores_floats(&att, &plan);
         const size_t kv_bytes = (size_t)width * es, num_slots = (size_t)num_blocks * block_size;
+        /* layer_amx's SiLU-gated rows (M, I) go in the (M, 2 I) gate_up buffer. */
+        const amx_step st = {.a = a, .rope = &rope, .plan = &plan, .qkv = (uint16_t *)qkv, .attn = attn, .xn = xn,
+                             .act = gate_up};
 #pragma omp parallel
         {
             void *buf = malloc(bufbytes);
@@ -925,6 +1010,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 failed = 1;
             }
 #pragma omp barrier
+            if (a->amx) sg_team_tiles_begin(M);
             for (int64_t l = 0; l < a->num_layers && !failed; l++) {
                 const sg_layer *ly = &a->layers[l];
                 /* Private copies: lin and att are shared, and each thread points them at this layer. */
@@ -936,6 +1022,10 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 da.x = gate_up, da.w = ly->down, da.wqt = ly->down_wqt, da.y = h;
                 sg_decode_attention_args la = att;
                 la.cache = ly->kv_cache;
+                if (a->amx) {
+                    layer_amx(&st, ly, &la, scores);
+                    continue;
+                }
                 int64_t ld;
                 const void *xin = linear_input(&qa, buf, &ld);
                 linear_tiles(&qa, xin, ld, i8);
@@ -958,6 +1048,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 xin = linear_input(&da, buf, &ld);
                 linear_tiles(&da, xin, ld, i8);
             }
+            if (a->amx) sg_team_tiles_end();
             free(buf);
             free(scores);
         }
@@ -968,5 +1059,6 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     free(attn);
     free(gate_up);
     free(i8);
+    free(xn);
     return rc;
 }
