@@ -523,6 +523,62 @@ int sg_write_kv(const sg_write_kv_args *a) {
 #define MAX_G 16  /* query heads per KV head (cpu.py MAX_QUERY_HEADS_PER_KV_HEAD): bounds stack buffers */
 #define MAX_D 256 /* head dim (cpu.py MAX_HEAD_DIM) */
 
+/* Lane t of the result: the sum of the 16 lanes of a[t] (a 16 x 16 transpose folded into the adds:
+ * 45 shuffles and adds for 16 sums, where 16 horizontal reductions take ~130). */
+static inline __m512 sum16x16(const __m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of x, y = a[2i], a[2i+1] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane j: the lane-j sums of a[4i .. 4i + 3] */
+        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xdd));
+}
+
+/* Scores of a bfloat16 cache (D a multiple of 32): scores[g][i] = scale * q_g . k_i, 16 keys at a time, each
+ * product by vdpbf16ps (exact bf16 pair products summed in float32; q is bfloat16-valued, so rounding it
+ * back is exact) and the 16 sums by sum16x16 instead of one horizontal reduction per key and head, which
+ * with the K rows' widening to float32 was most of a bfloat16 decode's attention time. Equal to the
+ * float32 loop up to float32 summation order. */
+static inline __attribute__((always_inline)) void scores_bf16(
+    int64_t G, int64_t D, const float *q, const char *kc, size_t token_bytes, size_t head_off, int64_t block_size,
+    const int32_t *blocks, int64_t t0, int64_t n, float scale, float *scores) {
+    const int64_t nb = D / 32;
+    __m512bh qb[MAX_G * (MAX_D / 32)];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < nb; c++)
+            qb[g * nb + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c));
+    /* Key rows in walk order, block by block (no division per key); kp holds 32: the 16 scored now and
+     * the next 16, prefetched while these are scored (the blocks are scattered: no stream to detect). */
+    const char *kp[32];
+    int64_t blk = t0 / block_size, off = t0 - blk * block_size, ahead = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+        for (; ahead < i0 + 32 && ahead < n; ahead++) {
+            const char *p = kc + ((size_t)blocks[blk] * block_size + off) * token_bytes + head_off;
+            kp[ahead % 32] = p;
+            if (ahead >= 16)
+                for (int64_t c = 0; c < 2 * nb; c++) _mm_prefetch(p + 64 * c, _MM_HINT_T0);
+            if (++off == block_size) blk++, off = 0;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) {
+                __m512 a = _mm512_setzero_ps();
+                if (j < cnt)
+                    for (int64_t c = 0; c < nb; c++)
+                        a = _mm512_dpbf16_ps(a, qb[g * nb + c], (__m512bh)_mm512_loadu_si512(kp[(i0 + j) % 32] + 64 * c));
+                acc[j] = a;
+            }
+            __m512 sc = _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + g * n + i0, cnt == 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u), sc);
+        }
+    }
+}
+
 /* One (decode, KV head, segment) work item: unnormalised output o[G][D], running max m[G] and sum l[G]
  * of exp(score - m) over tokens [t0, t1) of the request's cache, read in place through its block table. */
 static inline __attribute__((always_inline)) void segment_partial(
@@ -533,6 +589,9 @@ static inline __attribute__((always_inline)) void segment_partial(
     int64_t n = t1 - t0, nv = D / 16;
     size_t token_bytes = (size_t)Hkv * D * es;
     /* Pass 1: scores[g][i] = scale * q_g . k_i */
+    if (dt == DT_BF16 && D % 32 == 0)
+        scores_bf16(G, D, q, kc, token_bytes, (size_t)h * D * es, block_size, blocks, t0, n, scale, scores);
+    else
     for (int64_t i = 0; i < n; i++) {
         int64_t t = t0 + i;
         const char *kp = kc + ((size_t)blocks[t / block_size] * block_size + t % block_size) * token_bytes +
@@ -567,10 +626,12 @@ static inline __attribute__((always_inline)) void segment_partial(
     /* Pass 2: o_g = sum_i p[g][i] v_i */
     __m512 acc[MAX_G * (MAX_D / 16)];
     for (int64_t j = 0; j < G * nv; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i++) {
-        int64_t t = t0 + i;
-        const char *vp = vc + ((size_t)blocks[t / block_size] * block_size + t % block_size) * token_bytes +
-                         (size_t)h * D * es;
+    /* Block by block (no division per token), the row a few tokens ahead prefetched (within the block). */
+    for (int64_t i = 0, blk = t0 / block_size, off = t0 - blk * block_size; i < n; i++) {
+        const char *vp = vc + ((size_t)blocks[blk] * block_size + off) * token_bytes + (size_t)h * D * es;
+        if (++off == block_size) blk++, off = 0;
+        _mm_prefetch(vp + 4 * token_bytes, _MM_HINT_T0);
+        if (D * es > 64) _mm_prefetch(vp + 4 * token_bytes + 64, _MM_HINT_T0);
         for (int64_t c = 0; c < nv; c++) {
             __m512 vv = load16(vp, c * 16, dt);
             for (int64_t g = 0; g < G; g++)
