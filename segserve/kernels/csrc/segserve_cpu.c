@@ -906,8 +906,7 @@ typedef struct {
     int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
-    int32_t amx;                 /* nonzero: the projections as AMX tile products of the layers' *_amx
-                                    weights (bfloat16, 9 .. 64 rows; see layer_amx) */
+    int32_t amx;                 /* nonzero: projections on AMX tiles (layers' *_amx, bf16, 9-64 rows) */
 } sg_decode_stack_args;
 
 /* What the AMX layer body shares across a step (internal, tagged: no ctypes mirror). */
