@@ -12,7 +12,10 @@ K/V slots with the same values, so it computes the same step.
 ran them, attention, norms, RoPE, KV write, the decode stack, the LM head, sampling); what is left of
 the wall time is Python and per-op overhead. ``--mode ab``: the step through ``forward_chunk`` (A, the
 route of main for more than 8 bfloat16 rows) and through the one-call decode stack with AMX tiles (B),
-alternating ABBA rep by rep; medians and minima of each.
+alternating ABBA rep by rep; medians and minima of each. With ``--old-lib PATH`` (another build of the
+kernel library, e.g. main's, built with ``SEGSERVE_KERNEL_DIR`` set apart) A also runs on that library,
+so A is main as it was; at 8 rows or fewer (the decode stack, whose argument struct changed) A runs
+this tree's library on the same route as B.
 
 Prints one line per batch and writes ``--out`` (JSON). Quote ``uptime``'s load average with the
 figures: the host is shared, so only the interleaved comparison is fair under load.
@@ -21,6 +24,7 @@ figures: the host is shared, so only the interleaved comparison is fair under lo
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -172,6 +176,17 @@ def profile(llm: LLM, args, reps: int) -> dict:
             "wall_ms_min": round(1e3 * min(walls), 2), "parts": parts}
 
 
+def _old_library(path: str) -> ctypes.CDLL:
+    """Another build of the library with the entry points forward_chunk calls typed."""
+    lib = ctypes.CDLL(path)
+    for table in (cpu_kernels._ARGS, amx._ARGS):
+        for name, args in table.items():
+            if name not in ("sg_decode_stack",):  # its struct changed: never called on the old build
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+    return lib
+
+
 def ab(llm: LLM, args, reps: int, set_variant) -> dict:
     cs = llm.llm_engine.runner.cpu_step
     params = [SamplingParams(temperature=0)] * args[3].num_reqs
@@ -201,6 +216,7 @@ def main() -> None:
     p.add_argument("--mode", choices=("profile", "ab"), default="profile")
     p.add_argument("--route", choices=("stack", "chunk"), default="stack",
                    help="--mode profile: this tree's route, or forward_chunk (main's for > 8 bf16 rows)")
+    p.add_argument("--old-lib", default=None, help="--mode ab: variant A's kernel library (e.g. main's)")
     p.add_argument("--out", default="results/profile_bf16_decode.json")
     a = p.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
@@ -211,17 +227,24 @@ def main() -> None:
               "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "batches": {}}
     limits = getattr(cpu_kernels, "MAX_DECODE_STACK_ROWS_AMX", None)
 
+    new_lib = cpu_kernels._library()
+    amx.hardware_ready()
+    old_lib = _old_library(a.old_lib) if a.old_lib else None
+    rows_now = [0]
+
     def set_variant(v: str) -> None:
         if limits is None:
             raise SystemExit("--mode ab needs cpu.MAX_DECODE_STACK_ROWS_AMX (this tree has no AMX stack)")
         limits[torch.bfloat16] = 8 if v == "A" else saved
+        old = v == "A" and old_lib is not None and rows_now[0] > cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16]
+        cpu_kernels._lib = old_lib if old else new_lib
     saved = limits[torch.bfloat16] if limits is not None else None
     if a.route == "chunk" and limits is not None:
         limits[torch.bfloat16] = 8
     rids = prefill(llm, max(batches), a.prompt_len)
     for b in batches:
         step = decode_step(llm, rids[:b])
-        rows = step[0].shape[0]
+        rows = rows_now[0] = step[0].shape[0]
         if a.mode == "profile":
             r = profile(llm, step, a.reps)
             top = ", ".join(f"{k} {v['ms']}" for k, v in list(r["parts"].items())[:6])

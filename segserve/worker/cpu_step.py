@@ -69,6 +69,8 @@ class CpuStep:
         self._stack_key: tuple | None = None
         # Per layer (qkv, o, gate_up, down) in the AMX tile layout, when prepack() made them.
         self._amx_weights: list[tuple[torch.Tensor, ...]] | None = None
+        # The LM head in the AMX tile layout, made with them (instead of the oneDNN copy).
+        self._amx_lm_head: torch.Tensor | None = None
 
     def prepack(self) -> int:
         """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
@@ -94,8 +96,18 @@ class CpuStep:
         self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
         self._has_blocks = None
         self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
+        self._amx_lm_head = None
         if model.quantized_lm_head is not None:  # kept in blocks: nothing to pack
             self._packed_lm_head = None
+        elif self._amx_weights is not None and amx.supports(model.lm_head_weight) and (
+            model.lm_head is None or model.lm_head.bias is None
+        ):
+            # Decode steps of 9-64 rows (amx.rows_linear) and prefill rows (amx.linear) read this copy.
+            if model.lm_head is not None:
+                model.lm_head.unpack()
+            self._packed_lm_head = None
+            self._amx_lm_head = amx.pack(model.lm_head_weight)
+            return count + (model.lm_head is None)
         elif model.lm_head is None:  # tied: the LM head reads the embedding matrix
             self._packed_lm_head = pack_weight(model.embed_tokens.weight)
         else:
@@ -109,6 +121,7 @@ class CpuStep:
                 m.unpack()
         self._packed_lm_head = None
         self._amx_weights = None
+        self._amx_lm_head = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -215,7 +228,9 @@ class CpuStep:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``
-        (equal within summation order; bfloat16 packed results bitwise)."""
+        (equal within summation order; bfloat16 packed results bitwise): the compiled linear for up to
+        ``MAX_SMALL_ROWS`` rows, else the AMX tile copy :meth:`prepack` made (``amx.rows_linear`` up to
+        64 rows, ``amx.linear`` above; rounded to bfloat16 first, as the others), else oneDNN's."""
         quantized = self.model.quantized_lm_head
         if quantized is not None:
             return quantized_matmul(hidden, quantized, out_dtype=torch.float32)
@@ -226,6 +241,12 @@ class CpuStep:
             and hidden.device.type == "cpu" and cpu_kernels.supports_linear(weight) and cpu_kernels.enabled()
         ):
             return cpu_kernels.linear(hidden.contiguous(), weight, out_dtype=torch.float32)
+        tiles = self._amx_lm_head
+        if tiles is not None and hidden.dtype == tiles.dtype and amx.available():
+            n, k = weight.shape
+            if hidden.shape[0] <= amx.MAX_ROWS_LINEAR:  # weights streamed once, prefetched
+                return amx.rows_linear(hidden.contiguous(), tiles, n, k).float()
+            return amx.linear(hidden.contiguous(), tiles, n, k).float()
         packed = self._packed_lm_head
         if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
             return packed_linear(hidden, packed, None).float()

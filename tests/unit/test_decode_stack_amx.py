@@ -180,3 +180,47 @@ def test_amx_rows_and_weights_are_checked(model, prefilled):
         cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5, bad)
     with pytest.raises(ValueError, match="need one .* per layer"):
         cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5, step._amx_weights[:1])
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def head_model(request, tmp_path_factory):
+    """A tiny model whose vocabulary (320) the AMX tiles take (300 is not a multiple of 16)."""
+    path = tmp_path_factory.mktemp("amx-head")
+    save_tiny_hf_dir(path, tiny_hf_model(vocab_size=320, tie=request.param), train_tiny_tokenizer())
+    return load_model(path, dtype=torch.bfloat16).model
+
+
+def test_a_vocabulary_the_tiles_do_not_take_keeps_the_onednn_head(model):
+    step = CpuStep(model)
+    step.prepack()
+    assert step._amx_lm_head is None and step._packed_lm_head is not None
+
+
+@pytest.mark.parametrize("rows", [9, 24, 64, 65])
+def test_the_lm_head_of_many_rows_runs_on_amx_tiles(head_model, rows, monkeypatch):
+    model = head_model
+    step = CpuStep(model)
+    step.prepack()
+    assert step._amx_lm_head is not None and step._packed_lm_head is None
+    calls = []
+    for name in ("rows_linear", "linear"):
+        real = getattr(amx, name)
+        monkeypatch.setattr(amx, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    hidden = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = step.compute_logits(hidden)
+    assert calls == ["rows_linear" if rows <= amx.MAX_ROWS_LINEAR else "linear"]
+    weight = model.lm_head_weight
+    assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())  # rounded as the others
+    assert torch.equal(got, amx.linear(hidden, amx.pack(weight), *weight.shape).float())
+    torch.testing.assert_close(got, model.compute_logits(hidden), atol=2e-2, rtol=1e-2)
+
+
+def test_rows_linear_refuses_what_it_does_not_take(head_model):
+    packed = amx.pack(head_model.lm_head_weight)
+    n, k = head_model.lm_head_weight.shape
+    with pytest.raises(ValueError, match=r"x must be \(1 \.\. 64, 64\) bfloat16"):
+        amx.rows_linear(torch.zeros(65, k, dtype=torch.bfloat16), packed, n, k)
+    with pytest.raises(ValueError, match=r"x must be \(1 \.\. 64, 64\) bfloat16"):
+        amx.rows_linear(torch.zeros(4, k), packed, n, k)
+    with pytest.raises(ValueError, match=r"packed must be amx.pack's .* tensor for n=16, k=64"):
+        amx.rows_linear(torch.zeros(4, k, dtype=torch.bfloat16), packed, 16, k)

@@ -188,3 +188,34 @@ TEAM_TARGET void sg_team_gemm_run(const sg_team_gemm *g) {
             for (int r = skip[i]; r < rows; r++) epilogue_row(g, c[i], cu[i], r, m0[i] + r, col, col, bup);
     }
 }
+
+typedef struct {
+    int64_t size;           /* sizeof(sg_amx_rows_linear_args) */
+    int64_t M;              /* rows of x and y, 1 .. 64 */
+    int64_t N;              /* outputs, a multiple of 16 */
+    int64_t K;              /* inputs, a multiple of 32 */
+    const uint16_t *x;      /* (M, K) bfloat16 rows, row stride ldx */
+    int64_t ldx;            /* row stride of x, elements, >= K */
+    const uint16_t *packed; /* sg_amx_pack's layout of the (N, K) bfloat16 weight */
+    uint16_t *y;            /* (M, N) bfloat16, row stride ldy */
+    int64_t ldy;            /* row stride of y, elements, >= N */
+} sg_amx_rows_linear_args;
+
+/* y = bf16(x W^T) for a few rows in its own parallel region: the LM head of a decode step of 9-64 rows
+ * (49,152 x 576 for SmolLM2, 56 MB streamed once), by the same product as the decode stack's projections
+ * (and the same bits as sg_amx_linear's). Returns 0, -1 (a shape it does not take), -5 (another struct
+ * size) or -6 (no AMX in this process). */
+int sg_amx_rows_linear(const sg_amx_rows_linear_args *a) {
+    if (a->size != (int64_t)sizeof *a) return -5;
+    if (!sg_team_gemm_fits(a->M, a->N, a->K, TEAM_EPI_NONE) || a->ldx < a->K || a->ldy < a->N) return -1;
+    if (!sg_amx_granted()) return -6;
+    const sg_team_gemm g = {.M = a->M, .N = a->N, .K = a->K, .x = a->x, .ldx = a->ldx, .packed = a->packed,
+                            .y = a->y, .ldy = a->ldy, .epilogue = TEAM_EPI_NONE};
+#pragma omp parallel
+    {
+        sg_team_tiles_begin(g.M);
+        sg_team_gemm_run(&g);
+        sg_team_tiles_end();
+    }
+    return 0;
+}
