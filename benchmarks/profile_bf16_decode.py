@@ -15,7 +15,7 @@ route of main for more than 8 bfloat16 rows) and through the one-call decode sta
 alternating ABBA rep by rep; medians and minima of each. With ``--old-lib PATH`` (another build of the
 kernel library, e.g. main's, built with ``SEGSERVE_KERNEL_DIR`` set apart) A also runs on that library,
 so A is main as it was; at 8 rows or fewer (the decode stack, whose argument struct changed) A runs
-this tree's library on the same route as B.
+this tree's library on the same route as B. A's LM head is then main's too (oneDNN's packed copy).
 
 Prints one line per batch and writes ``--out`` (JSON). Quote ``uptime``'s load average with the
 figures: the host is shared, so only the interleaved comparison is fair under load.
@@ -40,6 +40,7 @@ from segserve.attention.metadata import build_attention_metadata
 from segserve.kernels import amx, chunk_attention
 from segserve.kernels import cpu as cpu_kernels
 from segserve.models import packed_linear as packed_module
+from segserve.models.packed_linear import pack_weight
 from segserve.worker import cpu_step as cpu_step_module
 from segserve.worker.sampler import sample
 
@@ -181,7 +182,7 @@ def _old_library(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     for table in (cpu_kernels._ARGS, amx._ARGS):
         for name, args in table.items():
-            if name not in ("sg_decode_stack",):  # its struct changed: never called on the old build
+            if name != "sg_decode_stack" and hasattr(lib, name):  # the stack's struct changed: not called
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
     return lib
@@ -231,6 +232,9 @@ def main() -> None:
     amx.hardware_ready()
     old_lib = _old_library(a.old_lib) if a.old_lib else None
     rows_now = [0]
+    cs = llm.llm_engine.runner.cpu_step
+    heads = {"B": (cs._amx_lm_head, cs._packed_lm_head)}  # A with --old-lib: main's oneDNN-packed head
+    heads["A"] = (None, pack_weight(cs.model.lm_head_weight)) if old_lib is not None else heads["B"]
 
     def set_variant(v: str) -> None:
         if limits is None:
@@ -238,6 +242,7 @@ def main() -> None:
         limits[torch.bfloat16] = 8 if v == "A" else saved
         old = v == "A" and old_lib is not None and rows_now[0] > cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16]
         cpu_kernels._lib = old_lib if old else new_lib
+        cs._amx_lm_head, cs._packed_lm_head = heads[v]
     saved = limits[torch.bfloat16] if limits is not None else None
     if a.route == "chunk" and limits is not None:
         limits[torch.bfloat16] = 8

@@ -6,7 +6,7 @@ are switched on and every projection has a shape they take:
 
 - a decode-only step (one row per request, at most ``MAX_SMALL_ROWS`` rows, or for GGUF-block models
   ``MAX_DECODE_STACK_ROWS_BLOCKS``, or for dense bfloat16 models with AMX ``MAX_DECODE_STACK_ROWS_AMX``)
-  over the segmented backend: every layer in one C call (``DecodeStack``), above ``MAX_SMALL_ROWS``
+  over the segmented backend: every layer in one C call (``DecodeStack``), from ``AMX_STACK_MIN_ROWS``
   rows of a dense bfloat16 model with its projections as AMX tile products of the prepacked weights;
 - any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
   the SiLU gate and the residual adds fused in, plus the backend's attention (:func:`forward_small`);
@@ -45,6 +45,12 @@ _MAX_ROPE_HEAD_DIM = 1024
 # from 9 rows up (table in segserve/models/packed_linear.py), so with AMX the oneDNN copy of the
 # bfloat16 projections is never read and prepack() does not make it.
 AMX_MIN_ROWS = cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] + 1
+# Fewest rows a dense bfloat16 decode-only step needs for the decode stack to run its projections (and
+# the LM head) as AMX tile products rather than vdpbf16ps register tiles: 2. Interleaved per step
+# (benchmarks/profile_bf16_decode.py's harness, the export, 300-token contexts, 1 thread, load 3.9-4.4):
+# b=2 51.7 -> 33.7 ms median, b=4 68.8 -> 39.4, b=8 92.2 -> 45.7; b=1 keeps the register tiles (one row
+# of a 16-row tile).
+AMX_STACK_MIN_ROWS = 2
 
 
 class CpuStep:
@@ -156,7 +162,7 @@ class CpuStep:
         h = model.embed_tokens(input_ids)  # (T, H)
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
         if stack is not None:  # a decode-only step: every layer in one compiled call
-            tiles = not small and stack.amx  # a dense bfloat16 step over MAX_SMALL_ROWS: AMX products
+            tiles = stack.amx and rows >= AMX_STACK_MIN_ROWS  # a dense bfloat16 step: AMX products
             stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
                       metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale,
                       int8=quant.int8_enabled(), amx=tiles)
@@ -228,25 +234,27 @@ class CpuStep:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``
-        (equal within summation order; bfloat16 packed results bitwise): the compiled linear for up to
-        ``MAX_SMALL_ROWS`` rows, else the AMX tile copy :meth:`prepack` made (``amx.rows_linear`` up to
-        64 rows, ``amx.linear`` above; rounded to bfloat16 first, as the others), else oneDNN's."""
+        (equal within summation order; bfloat16 packed results bitwise): from ``AMX_STACK_MIN_ROWS`` rows
+        the AMX tile copy :meth:`prepack` made when there is one (``amx.rows_linear`` up to 64 rows,
+        ``amx.linear`` above; rounded to bfloat16 first, as the others), else the compiled linear for
+        up to ``MAX_SMALL_ROWS`` rows, else oneDNN's packed copy."""
         quantized = self.model.quantized_lm_head
         if quantized is not None:
             return quantized_matmul(hidden, quantized, out_dtype=torch.float32)
         weight = self.model.lm_head_weight
+        tiles = self._amx_lm_head
+        if tiles is not None and hidden.dtype == tiles.dtype and hidden.shape[0] >= AMX_STACK_MIN_ROWS \
+                and amx.available():
+            n, k = weight.shape
+            if hidden.shape[0] <= amx.MAX_ROWS_LINEAR:  # weights streamed once, prefetched
+                return amx.rows_linear(hidden.contiguous(), tiles, n, k).float()
+            return amx.linear(hidden.contiguous(), tiles, n, k).float()
         if (
             hidden.dtype == weight.dtype
             and hidden.shape[0] <= cpu_kernels.MAX_SMALL_ROWS.get(hidden.dtype, 0)
             and hidden.device.type == "cpu" and cpu_kernels.supports_linear(weight) and cpu_kernels.enabled()
         ):
             return cpu_kernels.linear(hidden.contiguous(), weight, out_dtype=torch.float32)
-        tiles = self._amx_lm_head
-        if tiles is not None and hidden.dtype == tiles.dtype and amx.available():
-            n, k = weight.shape
-            if hidden.shape[0] <= amx.MAX_ROWS_LINEAR:  # weights streamed once, prefetched
-                return amx.rows_linear(hidden.contiguous(), tiles, n, k).float()
-            return amx.linear(hidden.contiguous(), tiles, n, k).float()
         packed = self._packed_lm_head
         if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
             return packed_linear(hidden, packed, None).float()

@@ -106,13 +106,16 @@ def _step(model, caches, n: int, pad: int, monkeypatch, kernels: bool = True):
     return h, caches, routes
 
 
-@pytest.mark.parametrize(("n", "pad"), [(9, 0), (16, 0), (24, 8), (33, 3), (64, 0)])
+@pytest.mark.parametrize(("n", "pad"), [(2, 0), (5, 3), (8, 0), (9, 0), (16, 0), (24, 8), (33, 3), (64, 0)])
 def test_amx_stack_equals_forward_chunk_bitwise(model, prefilled, monkeypatch, n, pad):
     got, got_caches, routes = _step(model, prefilled, n, pad, monkeypatch)
     assert routes == ["stack-amx"]
-    monkeypatch.setitem(cpu_kernels.MAX_DECODE_STACK_ROWS_AMX, torch.bfloat16, 8)
-    want, want_caches, routes = _step(model, prefilled, n, pad, monkeypatch)
-    assert routes == ["chunk-amx"]
+    step = CpuStep(model)
+    step.prepack()
+    want_caches = [c.clone() for c in prefilled]
+    ids, positions, md = _decode_inputs(n, pad)
+    with torch.inference_mode():  # the per-layer route over amx.linear
+        want = cpu_step.forward_chunk(model, ids, positions, want_caches, md, step._amx_weights)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
     # The step wrote each decode's K and V, and nothing else.
@@ -123,7 +126,12 @@ def test_amx_stack_equals_forward_chunk_bitwise(model, prefilled, monkeypatch, n
     assert got[:n].float().abs().sum() > 0
 
 
-@pytest.mark.parametrize(("n", "pad"), [(12, 4), (64, 0)])
+def test_one_row_keeps_the_register_tiles(model, prefilled, monkeypatch):
+    _, _, routes = _step(model, prefilled, 1, 0, monkeypatch)
+    assert routes == ["stack"]
+
+
+@pytest.mark.parametrize(("n", "pad"), [(3, 1), (12, 4), (64, 0)])
 def test_amx_stack_agrees_with_the_eager_model(model, prefilled, monkeypatch, n, pad):
     got, got_caches, _ = _step(model, prefilled, n, pad, monkeypatch)
     want, want_caches, routes = _step(model, prefilled, n, pad, monkeypatch, kernels=False)
@@ -196,7 +204,7 @@ def test_a_vocabulary_the_tiles_do_not_take_keeps_the_onednn_head(model):
     assert step._amx_lm_head is None and step._packed_lm_head is not None
 
 
-@pytest.mark.parametrize("rows", [9, 24, 64, 65])
+@pytest.mark.parametrize("rows", [2, 9, 24, 64, 65])
 def test_the_lm_head_of_many_rows_runs_on_amx_tiles(head_model, rows, monkeypatch):
     model = head_model
     step = CpuStep(model)
