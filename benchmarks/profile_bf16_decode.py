@@ -11,11 +11,13 @@ K/V slots with the same values, so it computes the same step.
 ``--mode profile``: timers around each kernel call of the step (GEMMs per projection and which kernel
 ran them, attention, norms, RoPE, KV write, the decode stack, the LM head, sampling); what is left of
 the wall time is Python and per-op overhead. ``--mode ab``: the step through ``forward_chunk`` (A, the
-route of main for more than 8 bfloat16 rows) and through the one-call decode stack with AMX tiles (B),
-alternating ABBA rep by rep; medians and minima of each. With ``--old-lib PATH`` (another build of the
+route of main for more than 8 bfloat16 rows; at 8 rows or fewer main's decode stack with vdpbf16ps
+register tiles) and through the one-call decode stack with AMX tiles (B), alternating ABBA rep by rep;
+medians and minima of each. With ``--old-lib PATH`` (another build of the
 kernel library, e.g. main's, built with ``SEGSERVE_KERNEL_DIR`` set apart) A also runs on that library,
 so A is main as it was; at 8 rows or fewer (the decode stack, whose argument struct changed) A runs
-this tree's library on the same route as B. A's LM head is then main's too (oneDNN's packed copy).
+main's route on this tree's library (which differs from main's there only in the decode attention's
+bfloat16 score pass). A's LM head is then main's too (oneDNN's packed copy).
 
 Prints one line per batch and writes ``--out`` (JSON). Quote ``uptime``'s load average with the
 figures: the host is shared, so only the interleaved comparison is fair under load.
@@ -240,10 +242,13 @@ def main() -> None:
         if limits is None:
             raise SystemExit("--mode ab needs cpu.MAX_DECODE_STACK_ROWS_AMX (this tree has no AMX stack)")
         limits[torch.bfloat16] = 8 if v == "A" else saved
+        # A: main's routes at 8 rows or fewer too (the vdpbf16ps register tiles, the compiled LM head).
+        cpu_step_module.AMX_STACK_MIN_ROWS = 9 if v == "A" else min_rows
         old = v == "A" and old_lib is not None and rows_now[0] > cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16]
         cpu_kernels._lib = old_lib if old else new_lib
         cs._amx_lm_head, cs._packed_lm_head = heads[v]
     saved = limits[torch.bfloat16] if limits is not None else None
+    min_rows = cpu_step_module.AMX_STACK_MIN_ROWS
     if a.route == "chunk" and limits is not None:
         limits[torch.bfloat16] = 8
     rids = prefill(llm, max(batches), a.prompt_len)
