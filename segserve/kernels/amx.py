@@ -243,7 +243,7 @@ def rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.
     """``x @ W.T`` rounded to bfloat16, a new ``(M, n)`` tensor, for ``M <= MAX_ROWS_LINEAR`` rows: the
     decode stack's AMX product (each 16-column block of the packed ``(n, k)`` weight streamed once, with
     software prefetch, against every row tile), in its own parallel region; the same bits as
-    :func:`linear` without a bias. For the LM head of decode steps of 9-64 rows.
+    :func:`linear` without a bias. For the LM head of decode steps of 2-64 rows.
 
     Args:
         x: ``(M, k)`` bfloat16 on the CPU, rows contiguous. packed: :func:`pack`'s result for ``W``.

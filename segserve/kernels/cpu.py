@@ -42,7 +42,8 @@ MAX_DECODE_STACK_ROWS_BLOCKS = {torch.float32: 64, torch.bfloat16: 8}
 # Most rows a decode-only step of a dense model may have to run as one call with its projections on AMX
 # tiles (``DecodeStack`` given AMX weights, ``run(amx=True)``): the C product takes up to 4 row tiles of
 # 16. Measured per step, interleaved in one process (benchmarks/profile_bf16_decode.py --mode ab, table in
-# docs/perf.md): the stack beats forward_chunk at every batch of 9-64 rows.
+# docs/perf.md): the stack beats forward_chunk at every batch of 9-64 rows (and, from 2 rows, the
+# stack's own vdpbf16ps register tiles: cpu_step.AMX_STACK_MIN_ROWS).
 MAX_DECODE_STACK_ROWS_AMX = {torch.bfloat16: 64}
 
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).

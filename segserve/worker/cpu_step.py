@@ -108,7 +108,7 @@ class CpuStep:
         elif self._amx_weights is not None and amx.supports(model.lm_head_weight) and (
             model.lm_head is None or model.lm_head.bias is None
         ):
-            # Decode steps of 9-64 rows (amx.rows_linear) and prefill rows (amx.linear) read this copy.
+            # Decode steps of 2-64 rows (amx.rows_linear) and more rows (amx.linear) read this copy.
             if model.lm_head is not None:
                 model.lm_head.unpack()
             self._packed_lm_head = None

@@ -1,13 +1,14 @@
-/* AMX tile GEMM for decode batches (9-64 rows), run by a team already inside a parallel region.
+/* AMX tile GEMM for decode batches (2-64 rows), run by a team already inside a parallel region.
  *
- * Why a second AMX GEMM beside sg_amx_linear (segserve_amx.c): a decode step of 9-64 rows reads every
+ * Why a second AMX GEMM beside sg_amx_linear (segserve_amx.c): a decode step of 2-64 rows reads every
  * weight once and does little arithmetic per byte (a B tile of 1 KiB feeds 1-4 tile products), so it is
- * bound by streaming the weights from memory, and through forward_chunk its four projections a layer
- * were four calls from Python, each opening a parallel region. Here the decode stack (sg_decode_stack in
- * segserve_cpu.c) runs every layer of such a step in its one region and calls this product from it: an
- * orphaned worksharing loop over the weight's 16-column blocks, each thread streaming one contiguous
- * run of the packed weight with software prefetch a few tiles ahead, every row tile of the step against
- * each B tile as it arrives (weights read once per step, whatever the row count).
+ * bound by streaming the weights from memory, and through forward_chunk (above 8 rows) its four
+ * projections a layer were four calls from Python, each opening a parallel region. Here the decode
+ * stack (sg_decode_stack in segserve_cpu.c) runs every layer of such a step in its one region and
+ * calls this product from it: an orphaned worksharing loop over the weight's 16-column blocks, each
+ * thread streaming one contiguous run of the packed weight with software prefetch a few tiles ahead,
+ * every row tile of the step against each B tile as it arrives (weights read once per step, whatever
+ * the row count).
  *
  * Per 16-column block: up to 4 row tiles of 16 rows (a last partial one is the 16 rows ending at row M,
  * overlapping the previous one, whose rows it does not write again; M < 16 configures tiles of M rows),
@@ -201,7 +202,7 @@ typedef struct {
     int64_t ldy;            /* row stride of y, elements, >= N */
 } sg_amx_rows_linear_args;
 
-/* y = bf16(x W^T) for a few rows in its own parallel region: the LM head of a decode step of 9-64 rows
+/* y = bf16(x W^T) for a few rows in its own parallel region: the LM head of a decode step of 2-64 rows
  * (49,152 x 576 for SmolLM2, 56 MB streamed once), by the same product as the decode stack's projections
  * (and the same bits as sg_amx_linear's). Returns 0, -1 (a shape it does not take), -5 (another struct
  * size) or -6 (no AMX in this process). */

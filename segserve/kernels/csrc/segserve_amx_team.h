@@ -1,5 +1,5 @@
 /* The AMX tile GEMM that a team of threads runs from inside a parallel region it is already in
- * (segserve_amx_team.c): the decode stack's projections for decode batches of more than 8 rows.
+ * (segserve_amx_team.c): the decode stack's projections for decode batches of 2-64 rows.
  * Internal to the library (hidden symbols, no ctypes mirror). */
 #ifndef SEGSERVE_AMX_TEAM_H
 #define SEGSERVE_AMX_TEAM_H

@@ -589,19 +589,20 @@ static inline __attribute__((always_inline)) void segment_partial(
     int64_t n = t1 - t0, nv = D / 16;
     size_t token_bytes = (size_t)Hkv * D * es;
     /* Pass 1: scores[g][i] = scale * q_g . k_i */
-    if (dt == DT_BF16 && D % 32 == 0)
+    if (dt == DT_BF16 && D % 32 == 0) {
         scores_bf16(G, D, q, kc, token_bytes, (size_t)h * D * es, block_size, blocks, t0, n, scale, scores);
-    else
-    for (int64_t i = 0; i < n; i++) {
-        int64_t t = t0 + i;
-        const char *kp = kc + ((size_t)blocks[t / block_size] * block_size + t % block_size) * token_bytes +
-                         (size_t)h * D * es;
-        __m512 kv[MAX_D / 16];
-        for (int64_t c = 0; c < nv; c++) kv[c] = load16(kp, c * 16, dt);
-        for (int64_t g = 0; g < G; g++) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
-            for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c * 16), kv[c], a);
-            scores[g * n + i] = _mm512_reduce_add_ps(a) * scale;
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = t0 + i;
+            const char *kp = kc + ((size_t)blocks[t / block_size] * block_size + t % block_size) * token_bytes +
+                             (size_t)h * D * es;
+            __m512 kv[MAX_D / 16];
+            for (int64_t c = 0; c < nv; c++) kv[c] = load16(kp, c * 16, dt);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
+                for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c * 16), kv[c], a);
+                scores[g * n + i] = _mm512_reduce_add_ps(a) * scale;
+            }
         }
     }
     /* Softmax numerators per head, in place. */
@@ -626,7 +627,8 @@ static inline __attribute__((always_inline)) void segment_partial(
     /* Pass 2: o_g = sum_i p[g][i] v_i */
     __m512 acc[MAX_G * (MAX_D / 16)];
     for (int64_t j = 0; j < G * nv; j++) acc[j] = _mm512_setzero_ps();
-    /* Block by block (no division per token), the row a few tokens ahead prefetched (within the block). */
+    /* Block by block (no division per token), the row 4 tokens ahead prefetched (past a block's end that
+     * is a line of no use: harmless). */
     for (int64_t i = 0, blk = t0 / block_size, off = t0 - blk * block_size; i < n; i++) {
         const char *vp = vc + ((size_t)blocks[blk] * block_size + off) * token_bytes + (size_t)h * D * es;
         if (++off == block_size) blk++, off = 0;
@@ -906,7 +908,7 @@ typedef struct {
     int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
-    int32_t amx;                 /* nonzero: projections on AMX tiles (layers' *_amx, bf16, 9-64 rows) */
+    int32_t amx;                 /* nonzero: projections on AMX tiles (layers' *_amx, bf16, 1-64 rows) */
 } sg_decode_stack_args;
 
 /* What the AMX layer body shares across a step (internal, tagged: no ctypes mirror). */
@@ -937,13 +939,13 @@ static int amx_fits(const sg_decode_stack_args *a) {
     return 1;
 }
 
-/* One layer of a bfloat16 decode step of 9-64 rows with its projections as AMX tile products
- * (sg_team_gemm_run, segserve_amx_team.c), run by every thread of the stack's region. The operations and
- * rounding points of forward_chunk over amx.linear, in its order, so the same bits: RMSNorm rows (sg_rows'
- * code) into a shared buffer, qkv, RoPE and the KV write, attention, h += o, RMSNorm, gate/up with the
- * SiLU gate in its epilogue, h += down. The norms are shared rows (one barrier each) rather than every
- * thread's own copy as in the per-row path: at 64 rows a copy per thread would cost more than the
- * barrier. 9 barriers a layer. */
+/* One layer of a bfloat16 decode step of up to 64 rows (CpuStep sends 2-64) with its projections as AMX
+ * tile products (sg_team_gemm_run, segserve_amx_team.c), run by every thread of the stack's region. The
+ * operations and rounding points of forward_chunk over amx.linear, in its order, so the same bits: RMSNorm
+ * rows (sg_rows' code) into a shared buffer, qkv, RoPE and the KV write, attention, h += o, RMSNorm,
+ * gate/up with the SiLU gate in its epilogue, h += down. The norms are shared rows (one barrier each)
+ * rather than every thread's own copy as in the per-row path: at 64 rows a copy per thread would cost more
+ * than the barrier. 9 barriers a layer. */
 static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_attention_args *la, float *scores) {
     const sg_decode_stack_args *a = s->a;
     const int64_t M = a->M, H = a->H, I = a->I, n = a->n, nq = a->Hq * a->D, width = a->Hkv * a->D;
@@ -992,8 +994,8 @@ static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_att
  * rows (RMSNorm, SiLU gate) are made by every thread into its own buffer rather than once behind a
  * barrier (a few thousand values).
  *
- * With a->amx (bfloat16 steps of 9-64 rows) each layer is layer_amx instead: the projections as AMX
- * tile products of prepacked weights inside the same region.
+ * With a->amx (bfloat16 steps of up to 64 rows; CpuStep sets it from 2) each layer is layer_amx
+ * instead: the projections as AMX tile products of prepacked weights inside the same region.
  *
  * Rows 0..n-1 of h are the decodes (row j is request j of the block table); rows n..M-1 are padding:
  * computed, never written to the cache, given zero attention output. Returns OK, ERR_LAYOUT,
