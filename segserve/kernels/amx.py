@@ -64,8 +64,20 @@ class _PeakArgs(ctypes.Structure):
     _fields_ = [("size", _L), ("iters", _L), ("threads", _I)]
 
 
+@cpu_kernels._sized
+class _RowsLinearArgs(ctypes.Structure):
+    """``sg_amx_rows_linear_args`` (its fields are documented in ``csrc/segserve_amx_team.c``)."""
+
+    _fields_ = [
+        ("size", _L), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L), ("packed", _P), ("y", _P),
+        ("ldy", _L),
+    ]
+
+
 _ARGS = {"sg_amx_probe": _ProbeArgs, "sg_amx_pack": _PackArgs, "sg_amx_linear": _LinearArgs,
-         "sg_amx_peak": _PeakArgs}
+         "sg_amx_peak": _PeakArgs, "sg_amx_rows_linear": _RowsLinearArgs}
+# Most rows rows_linear takes: 4 row tiles of 16 (csrc/segserve_amx_team.c).
+MAX_ROWS_LINEAR = 64
 
 
 def _library():
@@ -224,6 +236,38 @@ def linear(
         0 if y.dtype == torch.float32 else 1, _EPILOGUES[epilogue],
     ))
     _check(rc, "sg_amx_linear")
+    return y
+
+
+def rows_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``x @ W.T`` rounded to bfloat16, a new ``(M, n)`` tensor, for ``M <= MAX_ROWS_LINEAR`` rows: the
+    decode stack's AMX product (each 16-column block of the packed ``(n, k)`` weight streamed once, with
+    software prefetch, against every row tile), in its own parallel region; the same bits as
+    :func:`linear` without a bias. For the LM head of decode steps of 2-64 rows.
+
+    Args:
+        x: ``(M, k)`` bfloat16 on the CPU, rows contiguous. packed: :func:`pack`'s result for ``W``.
+
+    Raises:
+        ValueError: on a dtype, device, shape or stride it does not take (named with the limit).
+        RuntimeError: when AMX cannot run in this process.
+    """
+    if packed.dtype != torch.bfloat16 or packed.device.type != "cpu" or not packed.is_contiguous() \
+            or packed.shape != (n // 16, k // 32, 16, 32) or n % 16 or k % 32:
+        raise ValueError(f"packed must be amx.pack's (n/16, k/32, 16, 32) bfloat16 tensor for n={n}, k={k}, "
+                         f"got {tuple(packed.shape)} {packed.dtype}")
+    m = x.shape[0] if x.dim() == 2 else 0
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k \
+            or not 1 <= m <= MAX_ROWS_LINEAR or x.stride(1) != 1 or x.stride(0) < k:
+        raise ValueError(f"x must be (1 .. {MAX_ROWS_LINEAR}, {k}) bfloat16 on the CPU with contiguous rows, "
+                         f"got {tuple(x.shape)} {x.dtype} on {x.device}")
+    lib = _library()
+    if lib is None or not hardware_ready():
+        raise RuntimeError(f"AMX unavailable: {unavailable_reason()}")
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    _check(lib.sg_amx_rows_linear(_RowsLinearArgs(
+        _RowsLinearArgs.SIZE, m, n, k, x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n,
+    )), "sg_amx_rows_linear")
     return y
 
 

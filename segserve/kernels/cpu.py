@@ -39,6 +39,12 @@ MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 # forward_chunk 414 ms median (252 vs 366 min), b=32 439 vs 566 (345 vs 443); the bfloat16 export
 # (dense) at b=16 lost, 143 vs 108 ms on AMX, so bfloat16 stays at 8.
 MAX_DECODE_STACK_ROWS_BLOCKS = {torch.float32: 64, torch.bfloat16: 8}
+# Most rows a decode-only step of a dense model may have to run as one call with its projections on AMX
+# tiles (``DecodeStack`` given AMX weights, ``run(amx=True)``): the C product takes up to 4 row tiles of
+# 16. Measured per step, interleaved in one process (benchmarks/profile_bf16_decode.py --mode ab, table in
+# docs/perf.md): the stack beats forward_chunk at every batch of 9-64 rows (and, from 2 rows, the
+# stack's own vdpbf16ps register tiles: cpu_step.AMX_STACK_MIN_ROWS).
+MAX_DECODE_STACK_ROWS_AMX = {torch.bfloat16: 64}
 
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -112,6 +118,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         *[(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")],
         *[(name, _I) for name in ("qkv_wqt", "o_wqt", "gate_up_wqt", "down_wqt")],
+        *[(name, _P) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")],
     ]
 
 
@@ -124,7 +131,7 @@ class _DecodeStackArgs(ctypes.Structure):
         ("M", _L), ("H", _L), ("I", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("eps", _F), ("h", _P),
         ("cos", _P), ("ssin", _P), ("num_blocks", _L), ("block_size", _L), ("n", _L), ("slot_mapping", _P),
         ("rows", _P), ("block_table", _P), ("ld_bt", _L), ("reqs", _P), ("lens", _P), ("seg", _L),
-        ("scale", _F), ("xq8", _I),
+        ("scale", _F), ("xq8", _I), ("amx", _I),
     ]
 
 
@@ -565,12 +572,15 @@ class DecodeStack:
             dtype, contiguous (the caches give the shape every later step's caches must have).
             ``Nqkv = (Hq + 2 Hkv) D``.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D. eps: RMSNorm epsilon.
+        amx_weights: optional, per layer ``(qkv, o, gate_up, down)`` in ``amx.pack``'s tile layout (dense
+            bfloat16 layers only), which :meth:`run` with ``amx=True`` multiplies on AMX tiles.
 
     Raises:
         ValueError: naming the first tensor whose dtype, layout or shape does not fit.
     """
 
-    def __init__(self, layers: list[tuple], num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    def __init__(self, layers: list[tuple], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 amx_weights: list[tuple[torch.Tensor, ...]] | None = None):
         if not layers or num_heads < 1 or num_kv_heads < 1 or head_dim < 1:
             raise ValueError(
                 f"need at least one layer and positive head counts, got {len(layers)} layers, "
@@ -613,6 +623,9 @@ class DecodeStack:
                 f"16 up to 256, and {num_heads} heads at most 16 per each of {num_kv_heads} KV heads"
             )
         self._weights = [layer[:7] for layer in layers]
+        self.amx = amx_weights is not None
+        if self.amx:
+            self._check_amx_weights(layers, amx_weights)
 
         def pointer(t: torch.Tensor | QuantWeight | None) -> int | None:
             return None if t is None else (t.data if isinstance(t, QuantWeight) else t).data_ptr()
@@ -620,9 +633,12 @@ class DecodeStack:
         def fmt(t: torch.Tensor | QuantWeight) -> int:
             return t.wqt if isinstance(t, QuantWeight) else 0  # 0: WQT_DENSE, plain dt values
 
+        packed = amx_weights or [(None,) * 4] * len(layers)
+        self._amx_weights = amx_weights
         self._array = (_Layer * len(layers))(*[
-            _Layer(*[pointer(t) for t in layer[:7]], None, *[fmt(layer[i]) for i in (1, 3, 5, 6)])
-            for layer in layers
+            _Layer(*[pointer(t) for t in layer[:7]], None, *[fmt(layer[i]) for i in (1, 3, 5, 6)],
+                   *[pointer(t) for t in tiles])
+            for layer, tiles in zip(layers, packed, strict=True)
         ])
         self._arange = torch.arange(0)
         # What every step shares, filled once; run() sets the step's own fields.
@@ -632,6 +648,23 @@ class DecodeStack:
             num_layers=len(layers), layers=self._array, H=h, I=i, Hq=num_heads, Hkv=num_kv_heads,
             D=head_dim, eps=eps, num_blocks=num_blocks, block_size=block_size,
         )
+
+    def _check_amx_weights(self, layers: list[tuple], amx_weights: list[tuple[torch.Tensor, ...]]) -> None:
+        """Each AMX copy is ``amx.pack``'s ``(N/16, K/32, 16, 32)`` bfloat16 tensor of its layer's dense
+        bfloat16 projection."""
+        if self.dtype != torch.bfloat16 or len(amx_weights) != len(layers):
+            raise ValueError(f"amx_weights: need one (qkv, o, gate_up, down) per layer ({len(layers)}) of a "
+                             f"bfloat16 stack, got {len(amx_weights)} for {self.dtype}")
+        for n, (layer, tiles) in enumerate(zip(layers, amx_weights, strict=True)):
+            for name, w, t in zip(_PROJECTIONS, (layer[1], layer[3], layer[5], layer[6]), tiles, strict=True):
+                rows, cols = w.shape
+                want = (rows // 16, cols // 32, 16, 32)
+                if isinstance(w, QuantWeight) or rows % 16 or cols % 32 or t.dtype != torch.bfloat16 \
+                        or tuple(t.shape) != want or not t.is_contiguous() or t.device.type != "cpu":
+                    raise ValueError(
+                        f"layer {n} {name}: amx weight must be amx.pack's contiguous {want} bfloat16 CPU "
+                        f"tensor of a dense ({rows}, {cols}) weight, got {tuple(t.shape)} {t.dtype}"
+                    )
 
     def run(
         self,
@@ -645,11 +678,14 @@ class DecodeStack:
         kv_segment_size: int,
         scale: float,
         int8: bool = False,
+        amx: bool = False,
     ) -> torch.Tensor:
         """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned;
         ``kv_caches`` one per layer, each of the shape the stack was built for. ``int8``: the GGUF-block
         projections round their input rows to int8 blocks first (``quant.linear``'s ``int8``; the
-        caller checks the library has that kernel).
+        caller checks the library has that kernel). ``amx``: the projections as AMX tile products of the
+        stack's ``amx_weights`` (up to ``MAX_DECODE_STACK_ROWS_AMX`` rows; the caller checks
+        ``amx.available()``), the same bits as ``forward_chunk`` over ``amx.linear``.
 
         Rows ``0..n-1`` are the decodes (row ``j`` is block-table row ``j``), ``n = len(lens)``; the
         rest are padding. ``cos``/``sin`` ``(M, D)`` float32 RoPE rows; ``slot_mapping`` ``(n,)``
@@ -658,9 +694,13 @@ class DecodeStack:
 
         Raises:
             ValueError: on a shape or dtype mismatch, or a slot or length out of range (nothing is
-                written then).
+                written then); ``amx`` without AMX weights or beyond ``MAX_DECODE_STACK_ROWS_AMX`` rows.
         """
         m, n = h.shape[0], lens.shape[0]
+        if amx and (not self.amx or m > MAX_DECODE_STACK_ROWS_AMX[torch.bfloat16]):
+            raise ValueError(f"amx=True needs a stack built with amx_weights and at most "
+                             f"{MAX_DECODE_STACK_ROWS_AMX[torch.bfloat16]} rows, got {m} rows "
+                             f"({'with' if self.amx else 'without'} AMX weights)")
         if len(kv_caches) != len(self._array):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self._array)} layers")
         for i, kv in enumerate(kv_caches):
@@ -692,7 +732,7 @@ class DecodeStack:
         a.slot_mapping, a.rows = slot_mapping.data_ptr(), self._arange.data_ptr()
         a.reqs = a.rows  # decode j is batch row j and block-table row j
         a.block_table, a.ld_bt, a.lens = block_table.data_ptr(), block_table.shape[1], lens.data_ptr()
-        a.seg, a.scale, a.xq8 = kv_segment_size, scale, bool(int8)
+        a.seg, a.scale, a.xq8, a.amx = kv_segment_size, scale, bool(int8), bool(amx)
         rc = _library().sg_decode_stack(a)
         if rc == -1:
             raise ValueError(
@@ -713,7 +753,7 @@ def stack_timing(buf: torch.Tensor | None) -> None:
     beyond ``buf``'s rows are not timed), in the
     order of :data:`STACK_PHASES` (norm + QKV, attention with its RoPE and KV write, O,
     norm + gate|up, SiLU + down), each up to the end of its closing barrier (waiting for the other
-    thread counts).
+    thread counts). Steps on the AMX path (``DecodeStack`` with AMX copies, bfloat16) add nothing.
 
     Args:
         buf: ``(layers, len(STACK_PHASES))`` contiguous int64 CPU tensor, zeroed by the caller and

@@ -5,8 +5,9 @@ per step, when the compiled CPU kernels (``segserve.kernels.cpu``, float32/bfloa
 are switched on and every projection has a shape they take:
 
 - a decode-only step (one row per request, at most ``MAX_SMALL_ROWS`` rows, or for GGUF-block models
-  ``MAX_DECODE_STACK_ROWS_BLOCKS``) over the segmented backend: every layer in one C call
-  (``DecodeStack``);
+  ``MAX_DECODE_STACK_ROWS_BLOCKS``, or for dense bfloat16 models with AMX ``MAX_DECODE_STACK_ROWS_AMX``)
+  over the segmented backend: every layer in one C call (``DecodeStack``), from ``AMX_STACK_MIN_ROWS``
+  rows of a dense bfloat16 model with its projections as AMX tile products of the prepacked weights;
 - any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
   the SiLU gate and the residual adds fused in, plus the backend's attention (:func:`forward_small`);
 - larger steps (prefill chunks, big decode batches): oneDNN's GEMMs for the projections, and between
@@ -44,6 +45,12 @@ _MAX_ROPE_HEAD_DIM = 1024
 # from 9 rows up (table in segserve/models/packed_linear.py), so with AMX the oneDNN copy of the
 # bfloat16 projections is never read and prepack() does not make it.
 AMX_MIN_ROWS = cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] + 1
+# Fewest rows a dense bfloat16 decode-only step needs for the decode stack to run its projections (and
+# the LM head) as AMX tile products rather than vdpbf16ps register tiles: 2. Interleaved per step
+# (benchmarks/profile_bf16_decode.py's harness, the export, 300-token contexts, 1 thread, load 3.9-4.4):
+# b=2 51.7 -> 33.7 ms median, b=4 68.8 -> 39.4, b=8 92.2 -> 45.7; b=1 keeps the register tiles (one row
+# of a 16-row tile).
+AMX_STACK_MIN_ROWS = 2
 
 
 class CpuStep:
@@ -68,6 +75,8 @@ class CpuStep:
         self._stack_key: tuple | None = None
         # Per layer (qkv, o, gate_up, down) in the AMX tile layout, when prepack() made them.
         self._amx_weights: list[tuple[torch.Tensor, ...]] | None = None
+        # The LM head in the AMX tile layout, made with them (instead of the oneDNN copy).
+        self._amx_lm_head: torch.Tensor | None = None
 
     def prepack(self) -> int:
         """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
@@ -93,8 +102,18 @@ class CpuStep:
         self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
         self._has_blocks = None
         self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
+        self._amx_lm_head = None
         if model.quantized_lm_head is not None:  # kept in blocks: nothing to pack
             self._packed_lm_head = None
+        elif self._amx_weights is not None and amx.supports(model.lm_head_weight) and (
+            model.lm_head is None or model.lm_head.bias is None
+        ):
+            # Decode steps of 2-64 rows (amx.rows_linear) and more rows (amx.linear) read this copy.
+            if model.lm_head is not None:
+                model.lm_head.unpack()
+            self._packed_lm_head = None
+            self._amx_lm_head = amx.pack(model.lm_head_weight)
+            return count + (model.lm_head is None)
         elif model.lm_head is None:  # tied: the LM head reads the embedding matrix
             self._packed_lm_head = pack_weight(model.embed_tokens.weight)
         else:
@@ -108,6 +127,7 @@ class CpuStep:
                 m.unpack()
         self._packed_lm_head = None
         self._amx_weights = None
+        self._amx_lm_head = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -132,45 +152,51 @@ class CpuStep:
         dtype, device = model.activation_dtype, model.norm.weight.device
         if not self._kernels_fit(dtype, device):
             return model(input_ids, positions, kv_caches, metadata)
-        small = input_ids.shape[0] <= cpu_kernels.MAX_SMALL_ROWS[dtype]
-        if not small and not self._stack_takes(input_ids, metadata):
-            amx_weights = self._amx_weights if self._amx_fits(dtype, input_ids.shape[0]) else None
-            return forward_chunk(model, input_ids, positions, kv_caches, metadata, amx_weights)
+        rows = input_ids.shape[0]
+        small = rows <= cpu_kernels.MAX_SMALL_ROWS[dtype]
         model.check_kv_caches(kv_caches)
+        stack = self.decode_stack(input_ids, kv_caches, metadata)
+        if not small and stack is None:
+            amx_weights = self._amx_weights if self._amx_fits(dtype, rows) else None
+            return forward_chunk(model, input_ids, positions, kv_caches, metadata, amx_weights)
         h = model.embed_tokens(input_ids)  # (T, H)
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
-        stack = self.decode_stack(h, kv_caches, metadata)
         if stack is not None:  # a decode-only step: every layer in one compiled call
+            tiles = stack.amx and rows >= AMX_STACK_MIN_ROWS  # a dense bfloat16 step: AMX products
             stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
                       metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale,
-                      int8=quant.int8_enabled())
-            return model.norm(h)
+                      int8=quant.int8_enabled(), amx=tiles)
+            # forward_chunk's final norm (sg_rows), so the AMX step equals it bit for bit.
+            return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps) if tiles else model.norm(h)
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             h = forward_small(layer, h, cos, sin, kv_cache, metadata)
         return model.norm(h)
 
     def decode_stack(
-        self, h: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
+        self, rows: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
     ) -> cpu_kernels.DecodeStack | None:
-        """The compiled whole-step path for ``h`` ``(T, H)`` when :meth:`_stack_takes` the step (decodes
-        only, within its row limit, over the segmented backend) and its caches; else None. The C step
-        computes the segmented backend's attention itself, so a step over any
-        other backend (the reference oracle) goes through that backend. Built once per dtype and cache
-        shape: it holds the weight tensors, so after replacing one (not editing it in place) call
-        :meth:`prepack` again, as for the packed copies."""
+        """The compiled whole-step path for a step of ``rows`` (its ``(T,)`` ids or ``(T, H)`` states)
+        when :meth:`_stack_takes` the step (decodes only, within its row limit, over the segmented
+        backend) and its caches; else None. The C step computes the segmented backend's attention
+        itself, so a step over any other backend (the reference oracle) goes through that backend.
+        Built once per dtype and cache shape, with the AMX tile copies of the projections when
+        :meth:`prepack` made them: it holds the weight tensors, so after replacing one (not editing it
+        in place) call :meth:`prepack` again, as for the packed copies."""
         model = self.model
-        if not self._stack_takes(h, metadata):
+        if not self._stack_takes(rows, metadata):
             return None
-        key = (h.dtype, kv_caches[0].shape, len(kv_caches))
+        dtype = model.activation_dtype
+        amx_weights = self._amx_weights if self._amx_fits(dtype, AMX_MIN_ROWS) else None
+        key = (dtype, kv_caches[0].shape, len(kv_caches), amx_weights is not None)
         if self._stack_key != key:
             self._stack_key = key
             self._stack = None
             c = model.config
-            if all(cpu_kernels.supports_cache(kv, h.dtype, c.num_attention_heads) for kv in kv_caches):
+            if all(cpu_kernels.supports_cache(kv, dtype, c.num_attention_heads) for kv in kv_caches):
                 try:
                     self._stack = cpu_kernels.DecodeStack(
                         decode_stack_layers(model, kv_caches), c.num_attention_heads, c.num_key_value_heads,
-                        c.head_dim, c.rms_norm_eps,
+                        c.head_dim, c.rms_norm_eps, amx_weights,
                     )
                 except ValueError:  # a shape the whole-step kernel does not take: per-layer path
                     self._stack = None
@@ -178,20 +204,27 @@ class CpuStep:
 
     def decode_stack_rows(self) -> int:
         """Rows up to which a decode-only step may run the one-call decode stack:
-        ``MAX_DECODE_STACK_ROWS_BLOCKS`` for a model with GGUF-block projections, ``MAX_SMALL_ROWS``
-        for others, in the model's activation dtype (0 for a dtype the kernels do not take). The
-        simulator's ``eager_step`` feature follows it (``StepComposition.stack_rows``)."""
+        ``MAX_DECODE_STACK_ROWS_BLOCKS`` for a model with GGUF-block projections,
+        ``MAX_DECODE_STACK_ROWS_AMX`` for a dense bfloat16 one whose AMX tile copies :meth:`prepack`
+        made (while AMX stays on), ``MAX_SMALL_ROWS`` for others, in the model's activation dtype (0 for
+        a dtype the kernels do not take). The simulator's ``eager_step`` feature follows it
+        (``StepComposition.stack_rows``)."""
         if self._has_blocks is None:
             self._has_blocks = any(isinstance(m, QuantLinear) for m in _linears(self.model))
-        limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS if self._has_blocks else cpu_kernels.MAX_SMALL_ROWS
-        return limits.get(self.model.activation_dtype, 0)
+        dtype = self.model.activation_dtype
+        if self._has_blocks:
+            limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS
+        elif self._amx_fits(dtype, AMX_MIN_ROWS):
+            limits = cpu_kernels.MAX_DECODE_STACK_ROWS_AMX
+        else:
+            limits = cpu_kernels.MAX_SMALL_ROWS
+        return limits.get(dtype, cpu_kernels.MAX_SMALL_ROWS.get(dtype, 0))
 
     def _stack_takes(self, rows: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """Whether a step of ``rows`` (its ``(T,)`` ids or ``(T, H)`` states) is one the decode stack
         takes: decodes only (one row per request) over the segmented backend, and at most
-        ``MAX_DECODE_STACK_ROWS_BLOCKS`` rows for a model with GGUF-block projections (the float32 block
-        kernel takes any row count and beats the per-layer GEMMs up to 64), ``MAX_SMALL_ROWS`` for
-        others."""
+        :meth:`decode_stack_rows` rows (the float32 block kernel takes any row count and beats the
+        per-layer GEMMs up to 64; so do the AMX tile products of a dense bfloat16 model)."""
         return (
             rows.shape[0] <= self.decode_stack_rows()
             and metadata.max_query_len == 1 and metadata.num_actual_tokens == metadata.num_reqs
@@ -201,11 +234,21 @@ class CpuStep:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``
-        (equal within summation order; bfloat16 packed results bitwise)."""
+        (equal within summation order; bfloat16 packed results bitwise): from ``AMX_STACK_MIN_ROWS`` rows
+        the AMX tile copy :meth:`prepack` made when there is one (``amx.rows_linear`` up to 64 rows,
+        ``amx.linear`` above; rounded to bfloat16 first, as the others), else the compiled linear for
+        up to ``MAX_SMALL_ROWS`` rows, else oneDNN's packed copy."""
         quantized = self.model.quantized_lm_head
         if quantized is not None:
             return quantized_matmul(hidden, quantized, out_dtype=torch.float32)
         weight = self.model.lm_head_weight
+        tiles = self._amx_lm_head
+        if tiles is not None and hidden.dtype == tiles.dtype and hidden.shape[0] >= AMX_STACK_MIN_ROWS \
+                and amx.available():
+            n, k = weight.shape
+            if hidden.shape[0] <= amx.MAX_ROWS_LINEAR:  # weights streamed once, prefetched
+                return amx.rows_linear(hidden.contiguous(), tiles, n, k).float()
+            return amx.linear(hidden.contiguous(), tiles, n, k).float()
         if (
             hidden.dtype == weight.dtype
             and hidden.shape[0] <= cpu_kernels.MAX_SMALL_ROWS.get(hidden.dtype, 0)

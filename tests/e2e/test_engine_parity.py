@@ -83,7 +83,9 @@ def assert_matches_hf(outs, prompts, hf_greedy) -> None:
         dict(),  # default: budget 512, segmented attention
         dict(max_num_batched_tokens=4096),  # chunking off: every prompt in one step
         dict(max_num_batched_tokens=64),
-        dict(max_num_batched_tokens=17, num_batched_tokens_buckets=(17,)),  # odd, unaligned chunks
+        # odd, unaligned chunks; the 2,000-token chat prompt is left out (~120 more 17-token steps
+        # than the others, for nothing the 300-token document prompt does not already cross)
+        dict(max_num_batched_tokens=17, num_batched_tokens_buckets=(17,), num_prompts=4),
         dict(attention_backend="reference", max_num_batched_tokens=256),
         dict(kv_segment_size=1024, block_size=64, max_num_batched_tokens=300),
         dict(eager=True),  # the compiled CPU kernels switched off: PyTorch ops only
@@ -92,6 +94,7 @@ def assert_matches_hf(outs, prompts, hf_greedy) -> None:
 )
 def test_greedy_matches_transformers(smollm, prompts, hf_greedy, settings):
     settings = dict(settings)
+    prompts = prompts[: settings.pop("num_prompts", len(prompts))]
     with cpu_kernels.disabled() if settings.pop("eager", False) else contextlib.nullcontext():
         outs = run_all(engine(smollm, **settings), prompts)
     assert_matches_hf(outs, prompts, hf_greedy)

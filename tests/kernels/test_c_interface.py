@@ -33,6 +33,7 @@ MIRRORS = {
     "sg_amx_pack_args": amx._PackArgs,
     "sg_amx_linear_args": amx._LinearArgs,
     "sg_amx_peak_args": amx._PeakArgs,
+    "sg_amx_rows_linear_args": amx._RowsLinearArgs,
     "sg_chunk_attention_args": chunk_kernels._ChunkAttentionArgs,
     "sg_qdequant_args": quant_kernels._DequantArgs,
     "sg_f32gemm_args": f32gemm_kernels._GemmArgs,

@@ -93,3 +93,27 @@ def test_the_engine_reports_its_stack_limit(tmp_path):
         engine = LLMEngine(model=load_model(str(path), dtype=dtype), dtype=str(dtype)[6:], num_kv_blocks=16,
                            block_size=4)
         assert engine_stack_rows(engine) == rows
+
+
+def test_a_dense_bfloat16_engine_on_amx_reports_the_amx_stack_limit(tmp_path):
+    import torch
+    from model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer
+
+    from segserve import LLMEngine
+    from segserve.kernels import amx
+    from segserve.kernels import cpu as cpu_kernels
+    from segserve.models.loader import load_model
+    from segserve.simulator.replay import engine_stack_rows
+
+    if not amx.available():
+        pytest.skip(f"no AMX here: {amx.unavailable_reason()}")
+    save_tiny_hf_dir(tmp_path, tiny_hf_model(), train_tiny_tokenizer())
+    rows = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = LLMEngine(model=load_model(str(tmp_path), dtype=dtype), dtype=str(dtype)[6:],
+                           num_kv_blocks=16, block_size=4)
+        rows[dtype] = engine_stack_rows(engine)
+    assert rows == {torch.float32: SMALL_STEP_ROWS, torch.bfloat16: 64}
+    assert cpu_kernels.MAX_DECODE_STACK_ROWS_AMX[torch.bfloat16] == 64
+    with amx.disabled():  # the engine would send those steps to forward_chunk: the simulator follows
+        assert engine_stack_rows(engine) == SMALL_STEP_ROWS

@@ -36,6 +36,7 @@
 
 #include "segserve_simd.h"
 #include "segserve_quant.h"
+#include "segserve_amx_team.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "segserve CPU kernels need AVX-512F and AVX-512 BF16"
@@ -49,7 +50,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define NT 4 /* rows of W per register tile */
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 8; }
+int sg_abi_version(void) { return 9; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -534,6 +535,62 @@ int sg_write_kv(const sg_write_kv_args *a) {
 #define MAX_G 16  /* query heads per KV head (cpu.py MAX_QUERY_HEADS_PER_KV_HEAD): bounds stack buffers */
 #define MAX_D 256 /* head dim (cpu.py MAX_HEAD_DIM) */
 
+/* Lane t of the result: the sum of the 16 lanes of a[t] (a 16 x 16 transpose folded into the adds:
+ * 45 shuffles and adds for 16 sums, where 16 horizontal reductions take ~130). */
+static inline __m512 sum16x16(const __m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of x, y = a[2i], a[2i+1] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane j: the lane-j sums of a[4i .. 4i + 3] */
+        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xdd));
+}
+
+/* Scores of a bfloat16 cache (D a multiple of 32): scores[g][i] = scale * q_g . k_i, 16 keys at a time, each
+ * product by vdpbf16ps (exact bf16 pair products summed in float32; q is bfloat16-valued, so rounding it
+ * back is exact) and the 16 sums by sum16x16 instead of one horizontal reduction per key and head, which
+ * with the K rows' widening to float32 was most of a bfloat16 decode's attention time. Equal to the
+ * float32 loop up to float32 summation order. */
+static inline __attribute__((always_inline)) void scores_bf16(
+    int64_t G, int64_t D, const float *q, const char *kc, size_t token_bytes, size_t head_off, int64_t block_size,
+    const int32_t *blocks, int64_t t0, int64_t n, float scale, float *scores) {
+    const int64_t nb = D / 32;
+    __m512bh qb[MAX_G * (MAX_D / 32)];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < nb; c++)
+            qb[g * nb + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c));
+    /* Key rows in walk order, block by block (no division per key); kp holds 32: the 16 scored now and
+     * the next 16, prefetched while these are scored (the blocks are scattered: no stream to detect). */
+    const char *kp[32];
+    int64_t blk = t0 / block_size, off = t0 - blk * block_size, ahead = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+        for (; ahead < i0 + 32 && ahead < n; ahead++) {
+            const char *p = kc + ((size_t)blocks[blk] * block_size + off) * token_bytes + head_off;
+            kp[ahead % 32] = p;
+            if (ahead >= 16)
+                for (int64_t c = 0; c < 2 * nb; c++) _mm_prefetch(p + 64 * c, _MM_HINT_T0);
+            if (++off == block_size) blk++, off = 0;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) {
+                __m512 a = _mm512_setzero_ps();
+                if (j < cnt)
+                    for (int64_t c = 0; c < nb; c++)
+                        a = _mm512_dpbf16_ps(a, qb[g * nb + c], (__m512bh)_mm512_loadu_si512(kp[(i0 + j) % 32] + 64 * c));
+                acc[j] = a;
+            }
+            __m512 sc = _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + g * n + i0, cnt == 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u), sc);
+        }
+    }
+}
+
 /* One (decode, KV head, segment) work item: unnormalised output o[G][D], running max m[G] and sum l[G]
  * of exp(score - m) over tokens [t0, t1) of the request's cache, read in place through its block table. */
 static inline __attribute__((always_inline)) void segment_partial(
@@ -544,16 +601,20 @@ static inline __attribute__((always_inline)) void segment_partial(
     int64_t n = t1 - t0, nv = D / 16;
     size_t token_bytes = (size_t)Hkv * D * es;
     /* Pass 1: scores[g][i] = scale * q_g . k_i */
-    for (int64_t i = 0; i < n; i++) {
-        int64_t t = t0 + i;
-        const char *kp = kc + ((size_t)blocks[t / block_size] * block_size + t % block_size) * token_bytes +
-                         (size_t)h * D * es;
-        __m512 kv[MAX_D / 16];
-        for (int64_t c = 0; c < nv; c++) kv[c] = load16(kp, c * 16, dt);
-        for (int64_t g = 0; g < G; g++) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
-            for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c * 16), kv[c], a);
-            scores[g * n + i] = _mm512_reduce_add_ps(a) * scale;
+    if (dt == DT_BF16 && D % 32 == 0) {
+        scores_bf16(G, D, q, kc, token_bytes, (size_t)h * D * es, block_size, blocks, t0, n, scale, scores);
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = t0 + i;
+            const char *kp = kc + ((size_t)blocks[t / block_size] * block_size + t % block_size) * token_bytes +
+                             (size_t)h * D * es;
+            __m512 kv[MAX_D / 16];
+            for (int64_t c = 0; c < nv; c++) kv[c] = load16(kp, c * 16, dt);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
+                for (int64_t c = 1; c < nv; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c * 16), kv[c], a);
+                scores[g * n + i] = _mm512_reduce_add_ps(a) * scale;
+            }
         }
     }
     /* Softmax numerators per head, in place. */
@@ -578,10 +639,13 @@ static inline __attribute__((always_inline)) void segment_partial(
     /* Pass 2: o_g = sum_i p[g][i] v_i */
     __m512 acc[MAX_G * (MAX_D / 16)];
     for (int64_t j = 0; j < G * nv; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i++) {
-        int64_t t = t0 + i;
-        const char *vp = vc + ((size_t)blocks[t / block_size] * block_size + t % block_size) * token_bytes +
-                         (size_t)h * D * es;
+    /* Block by block (no division per token), the row 4 tokens ahead prefetched (past a block's end that
+     * is a line of no use: harmless). */
+    for (int64_t i = 0, blk = t0 / block_size, off = t0 - blk * block_size; i < n; i++) {
+        const char *vp = vc + ((size_t)blocks[blk] * block_size + off) * token_bytes + (size_t)h * D * es;
+        if (++off == block_size) blk++, off = 0;
+        _mm_prefetch(vp + 4 * token_bytes, _MM_HINT_T0);
+        if (D * es > 64) _mm_prefetch(vp + 4 * token_bytes + 64, _MM_HINT_T0);
         for (int64_t c = 0; c < nv; c++) {
             __m512 vv = load16(vp, c * 16, dt);
             for (int64_t g = 0; g < G; g++)
@@ -878,6 +942,10 @@ typedef struct {
     int32_t o_wqt;        /* format of o */
     int32_t gate_up_wqt;  /* format of gate_up */
     int32_t down_wqt;     /* format of down */
+    const void *qkv_amx;     /* qkv in sg_amx_pack's tile layout, for sg_decode_stack_args.amx; else NULL */
+    const void *o_amx;       /* o, the same */
+    const void *gate_up_amx; /* gate_up, the same */
+    const void *down_amx;    /* down, the same */
 } sg_layer;
 
 typedef struct {
@@ -908,6 +976,7 @@ typedef struct {
     int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
+    int32_t amx;                 /* nonzero: projections on AMX tiles (layers' *_amx, bf16, 1-64 rows) */
 } sg_decode_stack_args;
 
 /* Phases of a decode-stack layer that sg_stack_timing accumulates, in order. */
@@ -937,6 +1006,76 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* What the AMX layer body shares across a step (internal, tagged: no ctypes mirror). */
+typedef struct amx_step {
+    const sg_decode_stack_args *a;
+    const sg_rope_args *rope;
+    const att_plan *plan;
+    uint16_t *qkv;  /* (M, (Hq + 2 Hkv) D) */
+    uint16_t *attn; /* (M, Hq D), padding rows zero */
+    uint16_t *xn;   /* (M, H) RMSNorm rows */
+    uint16_t *act;  /* (M, I) SiLU-gated rows */
+} amx_step;
+
+/* Whether a's step can run layer_amx: bfloat16, AMX granted, every layer's projections dense with their
+ * tile copies given, and every product a shape sg_team_gemm_run takes (M <= 64 among them). */
+static int amx_fits(const sg_decode_stack_args *a) {
+    const int64_t M = a->M, H = a->H, I = a->I, nq = a->Hq * a->D, nqkv = nq + 2 * a->Hkv * a->D;
+    if (a->dt != DT_BF16 || !sg_amx_granted() || !sg_team_gemm_fits(M, nqkv, H, TEAM_EPI_NONE) ||
+        !sg_team_gemm_fits(M, H, nq, TEAM_EPI_RESIDUAL) || !sg_team_gemm_fits(M, 2 * I, H, TEAM_EPI_SILU_MUL) ||
+        !sg_team_gemm_fits(M, H, I, TEAM_EPI_RESIDUAL))
+        return 0;
+    for (int64_t l = 0; l < a->num_layers; l++) {
+        const sg_layer *ly = &a->layers[l];
+        if (ly->qkv_wqt != WQT_DENSE || ly->o_wqt != WQT_DENSE || ly->gate_up_wqt != WQT_DENSE ||
+            ly->down_wqt != WQT_DENSE || !ly->qkv_amx || !ly->o_amx || !ly->gate_up_amx || !ly->down_amx)
+            return 0;
+    }
+    return 1;
+}
+
+/* One layer of a bfloat16 decode step of up to 64 rows (CpuStep sends 2-64) with its projections as AMX
+ * tile products (sg_team_gemm_run, segserve_amx_team.c), run by every thread of the stack's region. The
+ * operations and rounding points of forward_chunk over amx.linear, in its order, so the same bits: RMSNorm
+ * rows (sg_rows' code) into a shared buffer, qkv, RoPE and the KV write, attention, h += o, RMSNorm,
+ * gate/up with the SiLU gate in its epilogue, h += down. The norms are shared rows (one barrier each)
+ * rather than every thread's own copy as in the per-row path: at 64 rows a copy per thread would cost more
+ * than the barrier. 9 barriers a layer. */
+static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_attention_args *la, float *scores) {
+    const sg_decode_stack_args *a = s->a;
+    const int64_t M = a->M, H = a->H, I = a->I, n = a->n, nq = a->Hq * a->D, width = a->Hkv * a->D;
+    const int64_t nqkv = nq + 2 * width, num_slots = a->num_blocks * a->block_size;
+    const size_t kv_bytes = 2 * (size_t)width;
+    const int64_t *slot_mapping = a->slot_mapping;
+    uint16_t *h = a->h, *qkv = s->qkv;
+    char *kc = (char *)ly->kv_cache;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) prologue_row(DT_BF16, PRO_RMSNORM, H, h, H, m, ly->ln1, a->eps, s->xn);
+    sg_team_gemm g = {.M = M, .N = nqkv, .K = H, .x = s->xn, .ldx = H, .packed = ly->qkv_amx,
+                      .bias = ly->qkv_bias, .y = qkv, .ldy = nqkv, .epilogue = TEAM_EPI_NONE};
+    sg_team_gemm_run(&g);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++) { /* as the per-row path: sg_rope, then sg_write_kv */
+        rope_one(s->rope, t);
+        if (t < n) {
+            memcpy(kc + (size_t)slot_mapping[t] * kv_bytes, qkv + t * nqkv + nq, kv_bytes);
+            memcpy(kc + ((size_t)num_slots + slot_mapping[t]) * kv_bytes, qkv + t * nqkv + nq + width, kv_bytes);
+        }
+    }
+    attention_team(la, s->plan, scores, NULL, NULL);
+    g = (sg_team_gemm){.M = M, .N = H, .K = nq, .x = s->attn, .ldx = nq, .packed = ly->o_amx, .y = h, .ldy = H,
+                       .epilogue = TEAM_EPI_RESIDUAL};
+    sg_team_gemm_run(&g);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) prologue_row(DT_BF16, PRO_RMSNORM, H, h, H, m, ly->ln2, a->eps, s->xn);
+    g = (sg_team_gemm){.M = M, .N = 2 * I, .K = H, .x = s->xn, .ldx = H, .packed = ly->gate_up_amx,
+                       .y = s->act, .ldy = I, .epilogue = TEAM_EPI_SILU_MUL};
+    sg_team_gemm_run(&g);
+    g = (sg_team_gemm){.M = M, .N = H, .K = I, .x = s->act, .ldx = I, .packed = ly->down_amx, .y = h, .ldy = H,
+                       .epilogue = TEAM_EPI_RESIDUAL};
+    sg_team_gemm_run(&g);
+}
+
 /* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
  * instead of ~200 times: per layer, h += o(attn(rope(qkv(norm1(h))))) and
  * h += down(silu_mul(gate_up(norm2(h)))), the same kernels as the per-op path in the same order.
@@ -955,6 +1094,9 @@ static inline int64_t now_ns(void) {
  * rows (RMSNorm, SiLU gate) are made by every thread into its own buffer rather than once behind a
  * barrier (a few thousand values).
  *
+ * With a->amx (bfloat16 steps of up to 64 rows; CpuStep sets it from 2) each layer is layer_amx
+ * instead: the projections as AMX tile products of prepacked weights inside the same region.
+ *
  * Rows 0..n-1 of h are the decodes (row j is request j of the block table); rows n..M-1 are padding:
  * computed, never written to the cache, given zero attention output. Returns OK, ERR_LAYOUT,
  * ERR_SHAPE / ERR_ROW / ERR_BLOCK (checked up front: nothing written) or ERR_NOMEM. */
@@ -972,6 +1114,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || a->reqs[j] != j ||
             a->rows[j] != j)
             return ERR_SHAPE;
+    if (a->amx && !amx_fits(a)) return ERR_SHAPE;
     size_t es = dt == DT_F32 ? 4 : 2;
     const int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D;
     /* Every layer's four products, their shapes checked here (not one layer into the step). */
@@ -1000,24 +1143,31 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
     void *gate_up = malloc(es * M * 2 * I);
     void *i8 = a->xq8 && any_block ? aligned_alloc(64, sg_quant_i8_scratch_bytes(M, kmax)) : NULL;
+    uint16_t *xn = a->amx ? (uint16_t *)malloc(es * M * H) : NULL; /* layer_amx's norm rows */
     /* Every layer's attention but for its cache: its q rows are the fused QKV output's Q heads. */
     sg_decode_attention_args att = {
         .size = sizeof att, .dt = dt, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .q = qkv, .ldq = nqkv,
         .out = attn, .T = M, .rows = a->rows, .num_blocks = num_blocks, .block_size = block_size,
         .block_table = a->block_table, .B = n, .ld_bt = a->ld_bt, .reqs = a->reqs, .lens = a->lens,
         .seg = a->seg, .scale = a->scale};
+    /* layer_amx's RoPE pass (the per-row path rotates inside the attention items instead). */
+    const sg_rope_args rope = {.size = sizeof rope, .dt = dt, .T = M, .H = Hq + Hkv, .D = D, .x = qkv,
+                               .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin};
     att_plan plan = {0};
     int rc = check_decodes(&att);
-    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8))) rc = ERR_NOMEM;
+    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8) || (a->amx && !xn))) rc = ERR_NOMEM;
     if (rc == OK) rc = attention_plan(&att, &plan);
     if (rc == OK) {
         int failed = 0;
         const size_t nscores = attention_scores_floats(&att, &plan);
         /* A few decodes: every thread merges the attention partials itself, into its own rows (no
          * barrier; see attention_team). */
-        const int own_merge = n <= OWN_MERGE_ROWS;
+        const int own_merge = n <= OWN_MERGE_ROWS && !a->amx;
         /* The caller's thread-locals: read before the region. */
         int64_t *const timing = stack_timing, timing_layers = stack_timing_layers;
+        /* layer_amx's SiLU-gated rows (M, I) go in the (M, 2 I) gate_up buffer. */
+        const amx_step st = {.a = a, .rope = &rope, .plan = &plan, .qkv = (uint16_t *)qkv, .attn = attn, .xn = xn,
+                             .act = gate_up};
 #pragma omp parallel
         {
             int64_t *tl = NULL, t_last = 0;
@@ -1035,6 +1185,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 failed = 1;
             }
 #pragma omp barrier
+            if (a->amx) sg_team_tiles_begin(M);
             for (int64_t l = 0; l < a->num_layers && !failed; l++) {
                 const sg_layer *ly = &a->layers[l];
                 /* Private copies: lin and att are shared, and each thread points them at this layer. */
@@ -1054,6 +1205,10 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 } else {
                     tl = NULL;
                 }
+                if (a->amx) { /* not timed: its phases are not the per-row path's */
+                    layer_amx(&st, ly, &la, scores);
+                    continue;
+                }
                 int64_t ld;
                 const void *xin = linear_input(&qa, buf, &ld);
                 linear_tiles(&qa, xin, ld, i8);
@@ -1072,6 +1227,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 STAMP(PH_DOWN)
             }
 #undef STAMP
+            if (a->amx) sg_team_tiles_end();
             free(buf);
             free(scores);
             free(own);
@@ -1083,5 +1239,6 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     free(attn);
     free(gate_up);
     free(i8);
+    free(xn);
     return rc;
 }

@@ -1,0 +1,222 @@
+/* AMX tile GEMM for decode batches (2-64 rows), run by a team already inside a parallel region.
+ *
+ * Why a second AMX GEMM beside sg_amx_linear (segserve_amx.c): a decode step of 2-64 rows reads every
+ * weight once and does little arithmetic per byte (a B tile of 1 KiB feeds 1-4 tile products), so it is
+ * bound by streaming the weights from memory, and through forward_chunk (above 8 rows) its four
+ * projections a layer were four calls from Python, each opening a parallel region. Here the decode
+ * stack (sg_decode_stack in segserve_cpu.c) runs every layer of such a step in its one region and
+ * calls this product from it: an orphaned worksharing loop over the weight's 16-column blocks, each
+ * thread streaming one contiguous run of the packed weight with software prefetch a few tiles ahead,
+ * every row tile of the step against each B tile as it arrives (weights read once per step, whatever
+ * the row count).
+ *
+ * Per 16-column block: up to 4 row tiles of 16 rows (a last partial one is the 16 rows ending at row M,
+ * overlapping the previous one, whose rows it does not write again; M < 16 configures tiles of M rows),
+ * float32 accumulators in tiles 0-3, the B tile in 4 or 5 (alternating by K step, so a load does not
+ * wait for the products reading the previous one: tiles are not renamed), the A tiles in 6 and 7 in
+ * turn, reloaded from x (in L1/L2) per K step. Then the accumulators go through a float32 buffer to the
+ * epilogue.
+ *
+ * Numerics: the same as sg_amx_linear, bit for bit: tile products over the K steps in order from zero,
+ * the bias added in float32, then y = bf16(acc); the residual y = bf16(y + bf16(acc)); the SiLU gate
+ * bf16(bf16(silu(bf16(gate))) * bf16(up)), silu(g) = g / (1 + exp(-g)) with the Cephes exp of
+ * segserve_simd.h. So the decode stack over this product equals forward_chunk over amx.linear.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "segserve_amx_team.h"
+#include "segserve_simd.h"
+
+#define TEAM_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
+#define TILE_ELEMS 512 /* bf16 values in one packed B tile (16 K pairs x 16 columns) */
+#define MAX_ROW_TILES 4
+#ifndef TEAM_PREFETCH_TILES
+#define TEAM_PREFETCH_TILES 8 /* how far ahead of the B tile being loaded the prefetch runs, in tiles */
+#endif
+
+int sg_team_gemm_fits(int64_t M, int64_t N, int64_t K, int epilogue) {
+    if (M < 1 || M > 16 * MAX_ROW_TILES || N < 16 || K < 32 || K % 32) return 0;
+    if (epilogue == TEAM_EPI_SILU_MUL) return N % 32 == 0;
+    return (epilogue == TEAM_EPI_NONE || epilogue == TEAM_EPI_RESIDUAL) && N % 16 == 0;
+}
+
+typedef struct team_tile_config { /* the LDTILECFG operand (internal, tagged) */
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} team_tile_config;
+
+/* Tiles 0-3 accumulators and 6-7 A tiles of min(M, 16) rows; 4-5 B tiles of 16 rows (K pairs). */
+TEAM_TARGET void sg_team_tiles_begin(int64_t M) {
+    team_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const uint8_t rows = (uint8_t)(M < 16 ? M : 16);
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = rows;
+    }
+    cfg.rows[4] = cfg.rows[5] = 16;
+    /* GCC 12 dropped the stores above as dead when this function is not inlined (it does not see
+     * LDTILECFG read all 64 bytes): the barrier keeps them. */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+TEAM_TARGET void sg_team_tiles_end(void) { _tile_release(); }
+
+/* Row tile i's first row, and how many of its rows an earlier tile already wrote. */
+static inline int64_t first_row(int64_t i, int64_t M, int *skip) {
+    int64_t m0 = 16 * i;
+    *skip = 0;
+    if (m0 + 16 > M && M >= 16) {
+        *skip = (int)(m0 - (M - 16));
+        m0 = M - 16;
+    }
+    return m0;
+}
+
+/* One K step: the B tile (in BT) against row tiles 0..MT-1 (A tiles 6, 7 in turn). */
+#define TEAM_STEP(BT, ks)                                                                                  \
+    do {                                                                                                   \
+        const uint16_t *bt_ = b + (ks) * TILE_ELEMS;                                                       \
+        for (int l_ = 0; l_ < 16; l_++) _mm_prefetch((const char *)(bt_ + pf) + 64 * l_, _MM_HINT_T0);     \
+        _tile_loadd(BT, bt_, 64);                                                                          \
+        _tile_loadd(6, x0 + (ks) * 32, ldxb);                                                              \
+        _tile_dpbf16ps(0, 6, BT);                                                                          \
+        if (MT > 1) {                                                                                      \
+            _tile_loadd(7, x1 + (ks) * 32, ldxb);                                                          \
+            _tile_dpbf16ps(1, 7, BT);                                                                      \
+        }                                                                                                  \
+        if (MT > 2) {                                                                                      \
+            _tile_loadd(6, x2 + (ks) * 32, ldxb);                                                          \
+            _tile_dpbf16ps(2, 6, BT);                                                                      \
+        }                                                                                                  \
+        if (MT > 3) {                                                                                      \
+            _tile_loadd(7, x3 + (ks) * 32, ldxb);                                                          \
+            _tile_dpbf16ps(3, 7, BT);                                                                      \
+        }                                                                                                  \
+    } while (0)
+
+/* Accumulators of 16-column block nb (its KS packed tiles from b) for row tiles starting at m0[0..MT),
+ * stored to c[0..MT) (rows x 16 float32 each). MT a constant in each inlined copy. */
+TEAM_TARGET static inline __attribute__((always_inline)) void block_products(
+    const uint16_t *x, int64_t ldx, const int64_t m0[MAX_ROW_TILES], const uint16_t *b, int64_t KS, const int MT,
+    float c[MAX_ROW_TILES][256]) {
+    const int64_t ldxb = 2 * ldx, pf = TEAM_PREFETCH_TILES * TILE_ELEMS;
+    const uint16_t *x0 = x + m0[0] * ldx, *x1 = x + m0[MT > 1 ? 1 : 0] * ldx;
+    const uint16_t *x2 = x + m0[MT > 2 ? 2 : 0] * ldx, *x3 = x + m0[MT > 3 ? 3 : 0] * ldx;
+    _tile_zero(0);
+    if (MT > 1) _tile_zero(1);
+    if (MT > 2) _tile_zero(2);
+    if (MT > 3) _tile_zero(3);
+    int64_t ks = 0;
+    for (; ks + 2 <= KS; ks += 2) {
+        TEAM_STEP(4, ks);
+        TEAM_STEP(5, ks + 1);
+    }
+    if (ks < KS) TEAM_STEP(4, ks);
+    _tile_stored(0, c[0], 64);
+    if (MT > 1) _tile_stored(1, c[1], 64);
+    if (MT > 2) _tile_stored(2, c[2], 64);
+    if (MT > 3) _tile_stored(3, c[3], 64);
+}
+#undef TEAM_STEP
+
+TEAM_TARGET static void block(const uint16_t *x, int64_t ldx, const int64_t m0[MAX_ROW_TILES], int mt,
+                              const uint16_t *b, int64_t KS, float c[MAX_ROW_TILES][256]) {
+    switch (mt) {
+    case 1: block_products(x, ldx, m0, b, KS, 1, c); break;
+    case 2: block_products(x, ldx, m0, b, KS, 2, c); break;
+    case 3: block_products(x, ldx, m0, b, KS, 3, c); break;
+    default: block_products(x, ldx, m0, b, KS, 4, c); break;
+    }
+}
+
+static inline __m512 round_bf16(__m512 v) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 v) { /* v holds bf16 values: truncation is exact */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* Row r of accumulator buffer c (bias columns bcol) into y's row ``row``, columns col .. col + 15; for the
+ * SiLU gate, ``up`` is the up half's buffer (bias columns bup). */
+static inline void epilogue_row(const sg_team_gemm *g, const float *c, const float *up, int r, int64_t row,
+                                int64_t col, int64_t bcol, int64_t bup) {
+    __m512 v = _mm512_loadu_ps(c + 16 * r);
+    if (g->bias) v = _mm512_add_ps(v, sg_bf16x16_to_f32(g->bias + bcol));
+    uint16_t *y = g->y + row * g->ldy + col;
+    if (g->epilogue == TEAM_EPI_SILU_MUL) {
+        __m512 u = _mm512_loadu_ps(up + 16 * r);
+        if (g->bias) u = _mm512_add_ps(u, sg_bf16x16_to_f32(g->bias + bup));
+        __m512 gate = round_bf16(v);
+        u = round_bf16(u);
+        __m512 e = sg_exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+        __m512 s = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store_bf16(y, round_bf16(_mm512_mul_ps(s, u)));
+        return;
+    }
+    v = round_bf16(v);
+    if (g->epilogue == TEAM_EPI_RESIDUAL) v = round_bf16(_mm512_add_ps(sg_bf16x16_to_f32(y), v));
+    store_bf16(y, v);
+}
+
+TEAM_TARGET void sg_team_gemm_run(const sg_team_gemm *g) {
+    const int64_t M = g->M, KS = g->K / 32, ldx = g->ldx;
+    const int silu = g->epilogue == TEAM_EPI_SILU_MUL;
+    const int64_t units = silu ? g->N / 32 : g->N / 16, half = g->N / 32;
+    const int mt = (int)((M + 15) / 16), rows = M < 16 ? (int)M : 16;
+    int64_t m0[MAX_ROW_TILES] = {0, 0, 0, 0};
+    int skip[MAX_ROW_TILES] = {0, 0, 0, 0};
+    for (int i = 0; i < mt; i++) m0[i] = first_row(i, M, &skip[i]);
+    float c[MAX_ROW_TILES][256] __attribute__((aligned(64)));
+    float cu[MAX_ROW_TILES][256] __attribute__((aligned(64)));
+    /* Contiguous shares (static): each thread streams one run of the packed weight. */
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        block(g->x, ldx, m0, mt, g->packed + u * KS * TILE_ELEMS, KS, c);
+        if (silu) block(g->x, ldx, m0, mt, g->packed + (half + u) * KS * TILE_ELEMS, KS, cu);
+        const int64_t col = 16 * u, bup = 16 * (half + u);
+        for (int i = 0; i < mt; i++)
+            for (int r = skip[i]; r < rows; r++) epilogue_row(g, c[i], cu[i], r, m0[i] + r, col, col, bup);
+    }
+}
+
+typedef struct {
+    int64_t size;           /* sizeof(sg_amx_rows_linear_args) */
+    int64_t M;              /* rows of x and y, 1 .. 64 */
+    int64_t N;              /* outputs, a multiple of 16 */
+    int64_t K;              /* inputs, a multiple of 32 */
+    const uint16_t *x;      /* (M, K) bfloat16 rows, row stride ldx */
+    int64_t ldx;            /* row stride of x, elements, >= K */
+    const uint16_t *packed; /* sg_amx_pack's layout of the (N, K) bfloat16 weight */
+    uint16_t *y;            /* (M, N) bfloat16, row stride ldy */
+    int64_t ldy;            /* row stride of y, elements, >= N */
+} sg_amx_rows_linear_args;
+
+/* y = bf16(x W^T) for a few rows in its own parallel region: the LM head of a decode step of 2-64 rows
+ * (49,152 x 576 for SmolLM2, 56 MB streamed once), by the same product as the decode stack's projections
+ * (and the same bits as sg_amx_linear's). Returns 0, -1 (a shape it does not take), -5 (another struct
+ * size) or -6 (no AMX in this process). */
+int sg_amx_rows_linear(const sg_amx_rows_linear_args *a) {
+    if (a->size != (int64_t)sizeof *a) return -5;
+    if (!sg_team_gemm_fits(a->M, a->N, a->K, TEAM_EPI_NONE) || a->ldx < a->K || a->ldy < a->N) return -1;
+    if (!sg_amx_granted()) return -6;
+    const sg_team_gemm g = {.M = a->M, .N = a->N, .K = a->K, .x = a->x, .ldx = a->ldx, .packed = a->packed,
+                            .y = a->y, .ldy = a->ldy, .epilogue = TEAM_EPI_NONE};
+#pragma omp parallel
+    {
+        sg_team_tiles_begin(g.M);
+        sg_team_gemm_run(&g);
+        sg_team_tiles_end();
+    }
+    return 0;
+}
