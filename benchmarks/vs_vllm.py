@@ -674,8 +674,12 @@ def server_command(engine: str, dtype: str, port: int, args: argparse.Namespace)
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED_NAME,
                "--max-model-len", "8192", "--seed", str(args.seed)]
         return cmd + shlex.split(args.vllm_args)
+    # --calibrate: the automatic budget is sized from this machine's step profile; without one cached
+    # for this fingerprint (model, dtype, kernel sources) the server falls back to the built-in profile
+    # of another CPU, and a budget sized for that machine (128 tokens here on 2026-12-02) is not
+    # segserve at its best. The quick calibration (~1.5 min) runs once and is cached.
     cmd = [sys.executable, "-m", "segserve.entrypoints.cli", "serve", "--model", str(args.hf_dir),
-           "--dtype", dtype, "--port", str(port), "--served-model-name", SERVED_NAME]
+           "--dtype", dtype, "--port", str(port), "--served-model-name", SERVED_NAME, "--calibrate"]
     return cmd + shlex.split(args.segserve_args)
 
 
