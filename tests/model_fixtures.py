@@ -36,6 +36,20 @@ def new_caches(model: Any, num_blocks: int, block_size: int) -> list[torch.Tenso
 
 
 @torch.inference_mode()
+def round_robin_block_rows(prompt_lens: list[int], block_size: int) -> list[list[int]]:
+    """Block-table rows for requests of ``prompt_lens`` tokens with room for one more token each, block
+    ids 1, 2, ... dealt round-robin over the requests (as concurrent decodes get them, so no row is
+    contiguous); block 0 is left out (the pool's null block)."""
+    need = [-(-(n + 1) // block_size) for n in prompt_lens]
+    rows, next_id = [[] for _ in prompt_lens], 1
+    while any(len(r) < k for r, k in zip(rows, need, strict=True)):
+        for r, k in zip(rows, need, strict=True):
+            if len(r) < k:
+                r.append(next_id)
+                next_id += 1
+    return rows
+
+
 def run_chunked(model: Any, token_ids: list[int], chunk_lens: list[int], block_size: int = 4,
                 kv_segment_size: int = 512, seed: int = 0) -> torch.Tensor:
     """Feed one prompt through ``model`` in chunks of ``chunk_lens`` tokens over a paged cache whose

@@ -18,7 +18,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
-from model_fixtures import new_caches, save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer  # noqa: E402
+from model_fixtures import (  # noqa: E402
+    new_caches,
+    round_robin_block_rows,
+    save_tiny_hf_dir,
+    tiny_hf_model,
+    train_tiny_tokenizer,
+)
 
 from segserve.attention.metadata import build_attention_metadata  # noqa: E402
 from segserve.kernels import build  # noqa: E402
@@ -38,19 +44,6 @@ def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     save_tiny_hf_dir(path, tiny_hf_model(request.param), train_tiny_tokenizer())
     return load_model(path, dtype=torch.float32).model
-
-
-def _interleaved_rows() -> list[list[int]]:
-    """Block ids dealt round-robin over the requests (as concurrent decodes get them), leaving room
-    for one more token each."""
-    need = [-(-(len(p) + 1) // BLOCK) for p in PROMPTS]
-    rows, next_id = [[] for _ in PROMPTS], 1
-    while any(len(r) < n for r, n in zip(rows, need, strict=True)):
-        for r, n in zip(rows, need, strict=True):
-            if len(r) < n:
-                r.append(next_id)
-                next_id += 1
-    return rows
 
 
 @torch.inference_mode()
@@ -81,7 +74,7 @@ def _decode_step(model, caches, rows, kernels: bool, n: int, pad: int) -> torch.
 def test_decode_stack_equals_the_eager_layers(tiny, dtype, monkeypatch) -> None:
     model = tiny.to(dtype)
     try:
-        rows = _interleaved_rows()
+        rows = round_robin_block_rows([len(p) for p in PROMPTS], BLOCK)
         caches = _prefilled(model, rows)
         eager_caches = [c.clone() for c in caches]
         runs = []
@@ -103,7 +96,7 @@ def test_decode_stack_equals_the_eager_layers(tiny, dtype, monkeypatch) -> None:
 
 def _stack_step(model):
     """(the model's DecodeStack, the prefilled caches, the decode step's metadata, h, cos, sin)."""
-    rows = _interleaved_rows()
+    rows = round_robin_block_rows([len(p) for p in PROMPTS], BLOCK)
     caches = _prefilled(model, rows)
     md = build_attention_metadata([1, 1, 1], [len(p) for p in PROMPTS], rows, BLOCK, 16, 512)
     stack = CpuStep(model).decode_stack(torch.zeros(3, 64), caches, md)

@@ -18,7 +18,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
-from model_fixtures import new_caches, save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer  # noqa: E402
+from model_fixtures import (  # noqa: E402
+    new_caches,
+    round_robin_block_rows,
+    save_tiny_hf_dir,
+    tiny_hf_model,
+    train_tiny_tokenizer,
+)
 
 from segserve.attention.metadata import build_attention_metadata  # noqa: E402
 from segserve.kernels import amx  # noqa: E402
@@ -39,20 +45,8 @@ def model(request, tmp_path_factory):
     return load_model(path, dtype=torch.bfloat16).model
 
 
-def _rows() -> list[list[int]]:
-    """Block ids dealt round-robin over the requests, leaving room for one more token each."""
-    need = [-(-(len(p) + 1) // BLOCK) for p in PROMPTS]
-    rows, next_id = [[] for _ in PROMPTS], 1
-    while any(len(r) < k for r, k in zip(rows, need, strict=True)):
-        for r, k in zip(rows, need, strict=True):
-            if len(r) < k:
-                r.append(next_id)
-                next_id += 1
-    assert next_id <= NUM_BLOCKS
-    return rows
-
-
-ROWS = _rows()
+ROWS = round_robin_block_rows([len(p) for p in PROMPTS], BLOCK)
+assert max(max(r) for r in ROWS) < NUM_BLOCKS
 
 
 @pytest.fixture(scope="module")
