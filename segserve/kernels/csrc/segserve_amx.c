@@ -204,15 +204,6 @@ AMX_TARGET static void configure_tiles(int rows) {
 
 /* ---- epilogue --------------------------------------------------------------------------------- */
 
-static inline __m512 bf16_round16(__m512 v) {
-    __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-static inline void bf16_store16(uint16_t *p, __m512 v) { /* v holds bf16 values: truncation is exact */
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-
 /* What the store of one row tile needs: where it goes and how (internal, tagged like tile_config). */
 typedef struct store_plan {
     int epilogue, ydt;
@@ -232,17 +223,17 @@ static inline void store_row(const store_plan *p, const float *c, const float *u
     if (p->epilogue == EPI_SILU_MUL) {
         __m512 u = _mm512_loadu_ps(up + r * 16);
         if (p->bias) u = _mm512_add_ps(u, sg_bf16x16_to_f32(p->bias + bcol_up));
-        __m512 g = bf16_round16(v);
-        u = bf16_round16(u);
+        __m512 g = sg_bf16_round16(v);
+        u = sg_bf16_round16(u);
         __m512 e = sg_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        __m512 s = bf16_round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        bf16_store16((uint16_t *)p->y + at, bf16_round16(_mm512_mul_ps(s, u)));
+        __m512 s = sg_bf16_round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        sg_bf16_store16((uint16_t *)p->y + at, sg_bf16_round16(_mm512_mul_ps(s, u)));
     } else if (p->ydt == AMX_DT_F32) {
         _mm512_storeu_ps((float *)p->y + at, v);
     } else {
-        v = bf16_round16(v);
-        if (p->epilogue == EPI_RESIDUAL) v = bf16_round16(_mm512_add_ps(sg_bf16x16_to_f32((uint16_t *)p->y + at), v));
-        bf16_store16((uint16_t *)p->y + at, v);
+        v = sg_bf16_round16(v);
+        if (p->epilogue == EPI_RESIDUAL) v = sg_bf16_round16(_mm512_add_ps(sg_bf16x16_to_f32((uint16_t *)p->y + at), v));
+        sg_bf16_store16((uint16_t *)p->y + at, v);
     }
 }
 
@@ -375,18 +366,6 @@ typedef struct {
     int32_t epilogue;      /* EPI_NONE, EPI_RESIDUAL (y = bf16(y + bf16(acc))), EPI_SILU_MUL (gate | up) */
 } sg_amx_linear_args;
 
-/* Starting row of row tile i of M rows (the last one ends at row M) and how many of its rows an earlier
- * tile already wrote. */
-static inline int64_t tile_row(int64_t i, int64_t M, int *skip) {
-    int64_t m0 = 16 * i;
-    *skip = 0;
-    if (m0 + 16 > M && M >= 16) {
-        *skip = (int)(m0 - (M - 16));
-        m0 = M - 16;
-    }
-    return m0;
-}
-
 /* Column units [u, u + units) over row tiles [t0, t1): the microkernel per row tile (pair), its stores
  * queued for the next microkernel to drain. ``pair``: take row tiles two at a time (2 x 2 kernel) where
  * two are left. ``c`` holds two accumulator buffers used in turn (``*flip`` the next), so a kernel never
@@ -404,11 +383,11 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
     }
     for (int64_t t = t0; t < t1;) {
         int skip0, skip1;
-        int64_t m0 = tile_row(t, M, &skip0);
+        int64_t m0 = sg_row_tile_start(t, M, &skip0);
         float (*cb)[256] = c[*flip];
         *flip ^= 1;
         if (pair && t + 1 < t1) {
-            int64_t m1 = tile_row(t + 1, M, &skip1);
+            int64_t m1 = sg_row_tile_start(t + 1, M, &skip1);
             kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, cb, p, q);
             for (int j = 0; j < units; j++) {
                 int64_t col = 16 * (u + j), bu = 16 * (half + u + j);

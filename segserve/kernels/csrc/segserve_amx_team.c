@@ -70,17 +70,6 @@ TEAM_TARGET void sg_team_tiles_begin(int64_t M) {
 
 TEAM_TARGET void sg_team_tiles_end(void) { _tile_release(); }
 
-/* Row tile i's first row, and how many of its rows an earlier tile already wrote. */
-static inline int64_t first_row(int64_t i, int64_t M, int *skip) {
-    int64_t m0 = 16 * i;
-    *skip = 0;
-    if (m0 + 16 > M && M >= 16) {
-        *skip = (int)(m0 - (M - 16));
-        m0 = M - 16;
-    }
-    return m0;
-}
-
 /* One K step: the B tile (in BT) against row tiles 0..MT-1 (A tiles 6, 7 in turn). */
 #define TEAM_STEP(BT, ks)                                                                                  \
     do {                                                                                                   \
@@ -138,15 +127,6 @@ TEAM_TARGET static void block(const uint16_t *x, int64_t ldx, const int64_t m0[M
     }
 }
 
-static inline __m512 round_bf16(__m512 v) {
-    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline void store_bf16(uint16_t *p, __m512 v) { /* v holds bf16 values: truncation is exact */
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-
 /* Row r of accumulator buffer c (bias columns bcol) into y's row ``row``, columns col .. col + 15; for the
  * SiLU gate, ``up`` is the up half's buffer (bias columns bup). */
 static inline void epilogue_row(const sg_team_gemm *g, const float *c, const float *up, int r, int64_t row,
@@ -157,16 +137,16 @@ static inline void epilogue_row(const sg_team_gemm *g, const float *c, const flo
     if (g->epilogue == TEAM_EPI_SILU_MUL) {
         __m512 u = _mm512_loadu_ps(up + 16 * r);
         if (g->bias) u = _mm512_add_ps(u, sg_bf16x16_to_f32(g->bias + bup));
-        __m512 gate = round_bf16(v);
-        u = round_bf16(u);
+        __m512 gate = sg_bf16_round16(v);
+        u = sg_bf16_round16(u);
         __m512 e = sg_exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-        __m512 s = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        store_bf16(y, round_bf16(_mm512_mul_ps(s, u)));
+        __m512 s = sg_bf16_round16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        sg_bf16_store16(y, sg_bf16_round16(_mm512_mul_ps(s, u)));
         return;
     }
-    v = round_bf16(v);
-    if (g->epilogue == TEAM_EPI_RESIDUAL) v = round_bf16(_mm512_add_ps(sg_bf16x16_to_f32(y), v));
-    store_bf16(y, v);
+    v = sg_bf16_round16(v);
+    if (g->epilogue == TEAM_EPI_RESIDUAL) v = sg_bf16_round16(_mm512_add_ps(sg_bf16x16_to_f32(y), v));
+    sg_bf16_store16(y, v);
 }
 
 TEAM_TARGET void sg_team_gemm_run(const sg_team_gemm *g) {
@@ -176,7 +156,7 @@ TEAM_TARGET void sg_team_gemm_run(const sg_team_gemm *g) {
     const int mt = (int)((M + 15) / 16), rows = M < 16 ? (int)M : 16;
     int64_t m0[MAX_ROW_TILES] = {0, 0, 0, 0};
     int skip[MAX_ROW_TILES] = {0, 0, 0, 0};
-    for (int i = 0; i < mt; i++) m0[i] = first_row(i, M, &skip[i]);
+    for (int i = 0; i < mt; i++) m0[i] = sg_row_tile_start(i, M, &skip[i]);
     float c[MAX_ROW_TILES][256] __attribute__((aligned(64)));
     float cu[MAX_ROW_TILES][256] __attribute__((aligned(64)));
     /* Contiguous shares (static): each thread streams one run of the packed weight. */

@@ -33,6 +33,29 @@ static inline __m512 sg_exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 16 float32 lanes rounded to bfloat16 (round to nearest even) and widened back to float32. */
+static inline __m512 sg_bf16_round16(__m512 v) {
+    __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* 16 float32 lanes that hold bfloat16 values stored as bfloat16 (truncation is exact for them). */
+static inline void sg_bf16_store16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* Starting row of 16-row tile i of M rows (the last one ends at row M, overlapping the one before when
+ * M is not a multiple of 16) and, in *skip, how many of its rows an earlier tile already wrote. */
+static inline int64_t sg_row_tile_start(int64_t i, int64_t M, int *skip) {
+    int64_t m0 = 16 * i;
+    *skip = 0;
+    if (m0 + 16 > M && M >= 16) {
+        *skip = (int)(m0 - (M - 16));
+        m0 = M - 16;
+    }
+    return m0;
+}
+
 /* 1 when this process may run AMX-BF16 tiles (CPUID, XCR0 and Linux's tile permission, requested on the
  * first call; the grant is per process), else 0. Probes once; later calls return the answer. */
 __attribute__((visibility("hidden"))) int sg_amx_granted(void);
