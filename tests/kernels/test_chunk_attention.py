@@ -169,7 +169,7 @@ def test_error_stays_near_the_output_rounding(query_lens: list[int], priors: lis
 
 def test_a_long_chunk_equals_its_rows_attended_16_at_a_time_bitwise() -> None:
     """A row's sums run over the same key blocks in the same order whatever work item (query tile of up
-    to 128 tokens, each packing its K/V itself) it falls in: a 1,100-token chunk in one call and its rows
+    to 256 tokens, each packing its K/V itself) it falls in: a 1,100-token chunk in one call and its rows
     16 at a time (one tile per KV head per call) give the same bits."""
     qlen = 1100
     case = make_case([qlen], [1000], block_size=16, seg=512, dtype=torch.bfloat16, seed=6)
@@ -182,3 +182,45 @@ def test_a_long_chunk_equals_its_rows_attended_16_at_a_time_bitwise() -> None:
                            torch.tensor([1000 + r0]), torch.tensor([0]), 512, case.scale)
     assert torch.equal(whole[:qlen], pieces[:qlen])
     assert torch.count_nonzero(whole[:qlen]) > 0
+
+
+def test_ragged_chunks_past_a_work_item_match_float32_sdpa() -> None:
+    """Chunks one token past a 256-token work item (the last item holds one query tile), past two, and a
+    short one, after priors that are not multiples of the block (16) or of the key block (128)."""
+    _check([257, 513, 3], [45, 1029, 130])
+
+
+def test_running_max_rising_block_after_block_matches_float32_sdpa() -> None:
+    """Keys scaled up along the walk (1x at position 0 to 6x at the end): the running max rises past
+    the rescaling slack in many later key blocks, where each row's maximum is taken in the same pass as
+    its probabilities and a row that moves is done again."""
+    case = make_case([300], [1500], block_size=16, seg=512, dtype=torch.bfloat16, seed=7)
+    row = case.metadata.block_table[0].tolist()
+    for i, b in enumerate(row[: 1500 // 16]):
+        case.cache[0, b] *= 1.0 + 5.0 * i * 16 / 1500
+    expect = sdpa_oracle(case, case.cache.clone())
+    got = _run_kernel(case).float()
+    err = (got - expect).abs()
+    assert err.max() <= MAX_ABS_ERR
+    assert err.mean() <= MEAN_ABS_ERR
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "priors"), [([600, 37, 257], [300, 1029, 0]), ([1100], [0]), ([40], [70])]
+)
+def test_one_and_two_threads_give_the_same_bits(query_lens: list[int], priors: list[int]) -> None:
+    """Work items split the queries, never a row's keys: 1 and 2 OpenMP threads give the same bits, also
+    where they cut a small step into different work items (40 tokens: 32-token items at 1 thread,
+    16-token ones at 2)."""
+    case = make_case(query_lens, priors, block_size=16, seg=512, dtype=torch.bfloat16, seed=8)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run_kernel(case)
+        torch.set_num_threads(2)
+        two = _run_kernel(case)
+    finally:
+        torch.set_num_threads(old)
+    n = sum(query_lens)
+    assert torch.equal(one[:n], two[:n])
+    assert torch.count_nonzero(one[:n]) > 0
