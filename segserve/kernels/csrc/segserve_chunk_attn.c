@@ -9,17 +9,19 @@
  * kv_segment_size) with a flash-style online softmax (float32 running max and sum per query row;
  * Dao et al., FlashAttention, 2022), never gathering a copy of the cache.
  *
- * Work items: (chunk, KV head, query tile of up to TQ tokens), OpenMP dynamic schedule, the costliest
+ * Work items: (chunk, KV head, query tile of up to CA_TQ tokens), OpenMP dynamic schedule, the costliest
  * (last query tiles) first. An item's rows are its G = Hq / Hkv query heads times its tokens, cut into
- * 16-row M tiles (one head, 16 consecutive tokens). Per segment, the item repacks the segment's K and V
- * of its KV head into per-thread buffers in the layouts AMX's B operand reads (VNNI pairs), once, then
- * every M tile of the item uses them (G * TQ / 16 tiles share one repack):
+ * 16-row M tiles (one head, 16 consecutive tokens). Per key block (CA_KB keys of a segment), the item
+ * repacks the K and V of its KV head into per-thread buffers in the layouts AMX's B operand reads (VNNI
+ * pairs), once, then every M tile of the item uses them (G * CA_TQ / 16 tiles share one repack):
  *
  *   S = Q K^T   Q tile [16 rows x 32 dims] (A) times K packed [16 dim pairs x 16 keys x 2] (B), 64
  *               keys (4 C tiles) at a time; scores to a float32 buffer [16 x keys].
  *   softmax     per row, in AVX-512: the segment's max m', P = 2^(S * scale * log2 e - m) with
  *               m = m_old unless m' > m_old + 8, else m' (masked keys: P = 0), rounded to bfloat16,
- *               the sum of P in float32, the running output and sum rescaled by 2^(m_old - m).
+ *               the sum of P in float32, the running output and sum rescaled by 2^(m_old - m). After
+ *               a tile's first block, m' is taken in the same pass as P (rows whose m moves, rare,
+ *               are done again), with the same bits as the two passes.
  *   O += P V    P tile [16 rows x 32 keys] (A) times V packed [16 key pairs x 16 dims x 2] (B), the
  *               running output [16 x D] float32 loaded into C tiles and stored back.
  *
