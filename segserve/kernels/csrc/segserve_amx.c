@@ -292,11 +292,48 @@ static inline void queue_drain(const store_plan *p, store_queue *q, int budget) 
 
 /* ---- microkernels ----------------------------------------------------------------------------- */
 
+/* A block of rows to prefetch a few 64-byte lines at a time while tile products run: ``rows`` rows of
+ * ``row_lines`` lines each, ``ld`` bytes apart, from ``row`` (the current one) at line ``col``; ``per``
+ * lines per K step (internal, tagged like tile_config). */
+typedef struct line_stream {
+    const char *row;
+    int64_t ld, row_lines, col, rows;
+    int per;
+} line_stream;
+
+static inline void stream_start(line_stream *ls, const void *first, int64_t ld, int64_t row_bytes, int64_t rows,
+                                int64_t steps) {
+    ls->row = (const char *)first;
+    ls->ld = ld;
+    ls->row_lines = (row_bytes + 63) / 64;
+    ls->col = 0;
+    ls->rows = rows > 0 && steps > 0 ? rows : 0;
+    ls->per = ls->rows ? (int)((ls->rows * ls->row_lines + steps - 1) / steps) : 0;
+}
+
+/* The next ``per`` lines: into L2 (x, read by the next item) or, ``write``, for writing (y, stored at the
+ * end of this item). */
+static inline void stream_step(line_stream *ls, int write) {
+    for (int i = 0; i < ls->per && ls->rows; i++) {
+        if (write)
+            __builtin_prefetch(ls->row + 64 * ls->col, 1, 2);
+        else
+            _mm_prefetch(ls->row + 64 * ls->col, _MM_HINT_T1);
+        if (++ls->col == ls->row_lines) {
+            ls->col = 0;
+            ls->row += ls->ld;
+            ls->rows--;
+        }
+    }
+}
+
 /* Where a microkernel stores its float32 accumulators: accumulator (row tile i, column block j) at
  * c + i ldt + j ldb, its rows ldr floats apart (internal, tagged like tile_config). */
 typedef struct tile_dst {
     float *c;
     int64_t ldt, ldb, ldr;
+    const char *out0, *out1; /* queued: where rows 0-15 of each row tile will be stored (else NULL) */
+    int64_t ldo;             /* their row stride, bytes */
 } tile_dst;
 
 /* Two row tiles (rows m0, m1) x nr (1 or 2) column blocks b[0..nr) over KS steps of K: accumulators
@@ -304,13 +341,18 @@ typedef struct tile_dst {
  * microkernel's rows, never buffer c) a few rows per K step, then stores to c[0..3]. */
 AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, int64_t ldxb,
                                         const uint16_t *const b[4], int nr, int64_t KS, const tile_dst *d,
-                                        const store_plan *p, store_queue *q) {
-    const int per = (int)((queue_rows(q) + KS - 1) / KS);
+                                        const store_plan *p, store_queue *q, line_stream ls[2]) {
+    const int per = (int)((queue_rows(q) + KS - 1) / KS), pfper = (int)((32 + KS - 1) / KS);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ks = 0; ks < KS; ks++) {
+        if (d->out0)
+            for (int i = 0, r = (int)ks * pfper; i < pfper && r < 32; i++, r++)
+                __builtin_prefetch(r < 16 ? d->out0 + r * d->ldo : d->out1 + (r - 16) * d->ldo, 1, 3);
+        stream_step(&ls[0], 0);
+        stream_step(&ls[1], 1);
         _tile_loadd(4, x0 + ks * 32, ldxb);
         _tile_loadd(6, b[0] + ks * TILE_ELEMS, 64);
         _tile_loadd(5, x1 + ks * 32, ldxb);
@@ -397,6 +439,8 @@ typedef struct gemm_state {
     store_queue q;
     float *stage;
     int64_t lds;
+    int64_t ahead;     /* row tiles between this thread's consecutive items (threads x the row chunk) */
+    line_stream ls[2]; /* prefetches: x of the next item, y of this one (staged stores) */
 } gemm_state;
 
 /* Column units [u, u + units) of the item whose first unit is ``c0``, over its row tiles [t0, t1): the
@@ -419,14 +463,20 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
         int skip0, skip1;
         int64_t m0 = sg_row_tile_start(t, M, &skip0);
         float (*cb)[256] = st->c[st->flip];
-        tile_dst d = {cb[0], 512, 256, 16}; /* queued: cb[0], cb[1] row tile m0; cb[2], cb[3] row tile m1 */
+        tile_dst d = {cb[0], 512, 256, 16, NULL, NULL, 0}; /* queued: cb[0], cb[1] row tile m0; cb[2], cb[3] m1 */
         if (st->stage)
-            d = (tile_dst){st->stage + (t - t0) * 16 * st->lds + 16 * (u - c0), 16 * st->lds, 16, st->lds};
+            d = (tile_dst){st->stage + (t - t0) * 16 * st->lds + 16 * (u - c0), 16 * st->lds, 16, st->lds, NULL, NULL, 0};
         else
             st->flip ^= 1;
         if (pair && t + 1 < t1) {
             int64_t m1 = sg_row_tile_start(t + 1, M, &skip1);
-            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, &d, p, q);
+            if (!st->stage) {
+                const int64_t esz = a->ydt == AMX_DT_F32 ? 4 : 2;
+                d.out0 = (const char *)a->y + (m0 * a->ldy + 16 * u) * esz;
+                d.out1 = (const char *)a->y + (m1 * a->ldy + 16 * u) * esz;
+                d.ldo = a->ldy * esz;
+            }
+            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, &d, p, q, st->ls);
             for (int j = 0; j < units && !st->stage; j++) {
                 int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
                 queue_push(q, cb[j], silu ? cb[1] : NULL, skip0, 16, m0, col, col, bu);
@@ -467,6 +517,16 @@ AMX_TARGET static void gemm_item(const sg_amx_linear_args *a, const store_plan *
                                  int64_t t0, int64_t t1, gemm_state *st) {
     const int silu = a->epilogue == EPI_SILU_MUL, pair = t1 - t0 >= 2;
     const int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
+    /* Prefetches spread over the item's K steps: the rows of x this thread likely takes next (items go
+     * column chunk first) into L2, and for staged stores the item's own rows of y (read by the residual
+     * epilogue, written by all), so that neither the next item's first panel nor the store pass waits
+     * on memory. */
+    const int64_t steps = (c1 - c0 + per - 1) / per * ((t1 - t0) / 2) * (a->K / 32);
+    const int64_t r0 = 16 * (t0 + st->ahead), r1 = 16 * (t1 + st->ahead) < a->M ? 16 * (t1 + st->ahead) : a->M;
+    stream_start(&st->ls[0], r1 > r0 ? a->x + r0 * a->ldx : a->x, a->ldx * 2, a->K * 2, r1 - r0, steps);
+    const int64_t esz = a->ydt == AMX_DT_F32 ? 4 : 2, y0 = 16 * t0, y1 = 16 * t1 < a->M ? 16 * t1 : a->M;
+    stream_start(&st->ls[1], (const char *)a->y + (y0 * a->ldy + 16 * c0) * esz, a->ldy * esz,
+                 (c1 - c0) * 16 * esz, st->stage ? y1 - y0 : 0, steps);
     for (int64_t u = c0; u < c1; u += per)
         panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), c0, t0, t1, pair, st);
     if (st->stage) store_stage(a, p, st, t0, t1, c0, c1);
@@ -526,6 +586,8 @@ AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
         st.flip = 0;
         st.q.n = st.q.at = st.q.row = 0;
         st.lds = cw * 16;
+        st.ahead = mc * omp_get_num_threads();
+        st.ls[0].rows = st.ls[1].rows = 0;
         st.stage = silu ? NULL : thread_stage(mc * 16 * st.lds);
         if (!silu && !st.stage) {
 #pragma omp atomic write
