@@ -42,7 +42,8 @@
  * thread will likely take next (the row chunk ``threads`` chunks ahead) into L2; for staged stores the
  * item's own rows of y for writing (the residual epilogue reads them too); for the queued SiLU stores
  * each microkernel's 32 output rows, drained by the next one. One thread, M = 4,096, paired median over
- * 80 rounds against the kernel without them: gate|up 1.11x, qkv 1.37x, down 1.15x, o 1.09x.
+ * 80 rounds against the kernel before round 3 (queued stores, static split, no prefetch), load ~5:
+ * gate|up 1.11x, qkv 1.37x, down 1.15x, o 1.09x; without the prefetches (staged + dynamic alone) ~1.0x.
  *
  * Speed (one core, min over many calls; the host has phases where the tile unit runs ~3x slower, so a
  * figure means little without the register-only peak measured beside it, ~2,100-2,200 GFLOP/s when
