@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="GGUF file or HF directory")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--server", action="append", default=[], metavar="NAME=FLAGS",
-                   help="a server variant: extra `segserve serve` flags (repeatable; default: one, no flags)")
+                   help="a server variant: extra `segserve serve` flags (repeatable; default: one, no "
+                   "flags); "
+                   "NAME@TREE runs that checkout's segserve (e.g. main@/work/main)")
     p.add_argument("--no-offline", action="store_true", help="servers only (an A/B of server variants)")
     p.add_argument("--clients", default="stdlib", help="comma list of stdlib,httpx: each server is timed "
                    "through each (the client shares the cores: its cost per token shows in the TPOT)")
@@ -69,11 +71,13 @@ def prompt_ids(seed: int, n: int) -> list[int]:
 
 
 def start_server(name: str, flags: str, port: int, args: argparse.Namespace, log_dir: Path):
+    """``NAME@TREE`` runs the server from another checkout's source (an A/B of server builds)."""
+    root = Path(name.split("@", 1)[1]) if "@" in name else ROOT
     cmd = [sys.executable, "-m", "segserve.entrypoints.cli", "serve", "--model", args.model, "--dtype",
            args.dtype, "--port", str(port), "--served-model-name", "smol", "--max-num-batched-tokens",
            str(args.budget), *shlex.split(flags)]
-    log = open(log_dir / f"server_tpot_{name}.log", "w")  # noqa: SIM115 - closed when the server stops
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    log = open(log_dir / f"server_tpot_{name.split('@')[0]}.log", "w")  # noqa: SIM115 - closed when the server stops
+    path = str(root)
     env = os.environ | {"PYTHONPATH": path}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, log, cmd
@@ -199,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     servers = {}
     try:
         for k, spec in enumerate(args.server):
-            name, flags = spec.split("=", 1)
+            full, flags = spec.split("=", 1)
+            name = full.split("@", 1)[0]
             port = 8600 + k + (os.getpid() % 200) * 4
-            servers[name] = (*start_server(name, flags, port, args, args.out.parent), f"http://127.0.0.1:{port}")
+            started = start_server(full, flags, port, args, args.out.parent)
+            servers[name] = (*started, f"http://127.0.0.1:{port}")
         for _, (proc, _, _, base) in servers.items():
             wait_ready(proc, base)
         engine = None if args.no_offline else offline_engine(args)
