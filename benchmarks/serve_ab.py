@@ -160,9 +160,13 @@ def start_servers(variants: list[tuple[str, dict]], args: argparse.Namespace) ->
     from segserve.engine_args import EngineArgs
     from segserve.entrypoints.openai.api_server import bind_socket, make_server
 
-    out, servers = {}, []
+    out, servers, loaded = {}, [], None
     for name, kw in variants:
-        engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype, **kw))
+        # The variants share one loaded model (each engine packs its own copy for its kernels):
+        # an engine of its own per variant took ~2.7 GB, and the shared machine has ~20.
+        model = loaded if loaded is not None else args.model
+        engine = LLMEngine.from_engine_args(EngineArgs(model=model, dtype=args.dtype, **kw))
+        loaded = engine.loaded
         trace = StepTrace()
         trace.attach(engine)
         app, aeng = make_server(engine, ["smol"])
@@ -236,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"variant": name, "round": r, "load_before": load, "load_after": os.getloadavg()[0],
                          "bench": res, "trace": tr, "steps": s["trace"].steps[n_steps:]})
             print(f"round {r} (load {load:.2f}) " + line(name, res, tr), flush=True)
+            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                            "runs": runs}) + "\n")  # a crash keeps the runs so far
     print("medians over rounds:")
     for name in names:
         mine = [x for x in runs if x["variant"] == name]

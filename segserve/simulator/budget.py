@@ -21,12 +21,15 @@ from segserve.config import default_token_buckets
 from segserve.simulator.step_model import RequestSlice, StepComposition, StepTimeModel
 
 AUTO = "auto"
-# 250 ms: a stream never falls below 4 tokens/s (about reading speed) while a prompt is chunked
-# beside it. On 2 CPU cores a decode-only step takes 20-60 ms, so only chunk-carrying steps come
-# near it, and a 512-token step takes 0.7-1 s: a lower target (100-150 ms) leaves budgets of 32-64
-# tokens whose fixed per-step cost (~17 ms, Python and launches) taxes prefill by 15-35 %, a higher
-# one (500 ms+) gives up the point of chunking. The built-in CPU profile gives 128 tokens at 250 ms.
-DEFAULT_TARGET_ITL_MS = 250.0
+# 400 ms: a stream stays above 2.5 tokens/s while a prompt is chunked beside it, and on 2 CPU cores
+# a chat-sized prompt (up to ~500 tokens) fits one step: this machine's bfloat16 profile gives 512
+# tokens (predicted 324-379 ms), where 250 ms gave 256, which split half of the random serving
+# workload's 128-384-token prompts into two chunk steps (two inter-token gaps for every running
+# stream and ~2 steps to the first token). Interleaved under `vllm bench serve` (docs/perf.md,
+# "Serving: the step budget") 512 beat 256 on TTFT p50/p99 and ITL p50. Lower targets (100-150 ms)
+# leave budgets of 32-64 tokens whose fixed per-step cost (~17 ms) taxes prefill by 15-35 %; a much
+# higher one (1 s+) gives up the point of chunking (a long prompt's steps stall every stream).
+DEFAULT_TARGET_ITL_MS = 400.0
 # The step the budget is sized for: a handful of chat streams decoding while a prompt is chunked.
 AUTO_DECODES = 8
 AUTO_CONTEXT = 256

@@ -33,6 +33,18 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
     assert f"auto = {budget}" in choice.line
 
 
+def test_the_default_target_lets_a_chat_sized_prompt_into_one_step():
+    """A profile shaped like this machine's bfloat16 one (~0.6 ms a padded row): the old 250 ms gave
+    256 tokens, the default 400 ms gives 512; 768 (470 ms) does not fit."""
+    from segserve.simulator.budget import DEFAULT_TARGET_ITL_MS
+
+    model = LinearStepModel({"step": 0.010, "padded_tokens": 0.0006})
+    assert DEFAULT_TARGET_ITL_MS == 400.0
+    assert auto_budget(model, 0.250, 16, 256, 8192).budget == 256
+    choice = auto_budget(model, DEFAULT_TARGET_ITL_MS / 1000, 16, 256, 8192)
+    assert choice.budget == 512 and math.isclose(choice.predicted_s, 0.010 + 512 * 0.0006)
+
+
 def test_auto_budget_counts_decodes_and_the_chunk_attention():
     model = LinearStepModel(
         {"step": 0.010, "padded_tokens": 0.001, "sampled": 0.002, "decode_ctx": 1e-6, "prefill_attn": 1e-7}
@@ -88,7 +100,7 @@ def test_a_budget_below_the_block_size_fails_before_any_model_loads(capsys):
 
 def test_serve_defaults_to_auto_and_offline_commands_keep_512(capsys):
     args = build_parser().parse_args(["serve"])
-    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 250.0
+    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 400.0
     assert build_parser().parse_args(["generate"]).max_num_batched_tokens == 512
     assert main(["generate", "--max-num-batched-tokens", "auto", "--prompt", "hi"]) == 2
     assert "give a number here" in capsys.readouterr().err

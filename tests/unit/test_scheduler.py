@@ -42,6 +42,25 @@ def test_decodes_are_scheduled_before_continuing_prefills():
     assert out.num_scheduled_tokens == {"long": 1, "short": 1}
 
 
+@pytest.mark.parametrize("budget, chunks", [(256, [248, 136]), (512, [384])])
+def test_a_384_token_prompt_beside_8_decodes_takes_one_step_at_512_and_two_at_256(budget, chunks):
+    """What the server's automatic budget decides for a chat-sized prompt (docs/perf.md): at 256 the
+    decodes' 8 tokens leave 248, so the prompt needs a second chunk step (another inter-token gap for
+    every stream, and a second step before its first token)."""
+    sched = make_scheduler(num_blocks=400, block_size=16, budget=budget)
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", list(range(100 * i, 100 * i + 20)), max_tokens=50))
+    step(sched)  # the 8 short prompts in one step; they decode from now on
+    sched.add_request(make_request("p", list(range(5000, 5384))))
+    got = []
+    for _ in chunks:
+        out = step(sched)
+        assert all(out.num_scheduled_tokens[f"d{i}"] == 1 for i in range(8))
+        got.append(out.num_scheduled_tokens["p"])
+    assert got == chunks
+    assert step(sched).num_scheduled_tokens["p"] == 1  # p has its first token: now a decode
+
+
 def test_long_prefill_threshold_caps_one_requests_chunk():
     sched = make_scheduler(num_blocks=200, budget=256, long_prefill_token_threshold=100)
     sched.add_request(make_request("a", list(range(300))))
