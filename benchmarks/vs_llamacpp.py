@@ -15,7 +15,9 @@ engines read the very same Q8_0 file), with ``--threads`` threads each (default 
 llama.cpp is built from the source vendored in the llama-cpp-python 0.3.36 sdist on first use (``pip
 download --no-deps --no-binary llama-cpp-python``, cmake, native CPU flags) into
 ``~/.cache/segserve/baselines/llama.cpp-0.3.36`` (``--cache``): a benchmark tool, never a segserve
-dependency, never run in CI. Each engine runs alone, the other idle; medians of ``--repeats``.
+dependency, never run in CI. Each engine runs alone, the other idle, in ``--repeats`` rounds of one
+repetition each whose order alternates (segserve, llama.cpp, llama.cpp, segserve, ...), so the shared
+host's slow phases fall on both; the figures are the medians over the rounds.
 
 ``--int8`` adds, per file, segserve with int8 activations (``SEGSERVE_QUANT_INT8``: each 32-value block
 of an activation row rounded to int8 under a float32 scale, integer dot products with the blocks), the
@@ -125,36 +127,63 @@ def llama_bench(bindir: Path, model: Path, threads: int, repeats: int) -> dict:
 # ----------------------------------------------------------------------------------------- segserve
 
 
-def segserve_rates(model: Path, threads: int, repeats: int, dtype: str, quantization: str | None) -> dict:
-    """segserve's ``tg128`` (end-to-end batch-1 decode) and ``pp512`` on ``model``, medians."""
-    import torch
+class SegserveRates:
+    """segserve's ``tg128`` (end-to-end batch-1 decode) and ``pp512`` on ``model``, one repetition a call.
 
-    from segserve import LLM, SamplingParams
+    The ``LLM`` is built and both step shapes warmed once; ``rep()`` then times one ``tg128`` and one
+    ``pp512`` (tok/s each), so the benchmark can alternate it with llama.cpp's repetitions."""
 
-    torch.set_num_threads(threads)
-    before = load_average()
-    llm = LLM(model=str(model), dtype=dtype, quantization=quantization, max_num_batched_tokens=512,
-              kv_cache_memory_bytes=256 << 20, max_model_len=1024, enable_prefix_caching=False)
+    def __init__(self, model: Path, threads: int, dtype: str, quantization: str | None) -> None:
+        import torch
 
-    def timed(prompt: list[int], n: int) -> float:
+        from segserve import LLM
+
+        torch.set_num_threads(threads)
+        self.dtype, self.quantization = dtype, quantization
+        self.llm = LLM(model=str(model), dtype=dtype, quantization=quantization, max_num_batched_tokens=512,
+                       kv_cache_memory_bytes=256 << 20, max_model_len=1024, enable_prefix_caching=False)
+        self.short = [1, 504, 3458, 282, 4649, 314, 253, 216]  # 8 tokens: tg128 starts from an empty context
+        self.long = [(17 * i) % 40000 + 100 for i in range(512)]
+        self._timed(self.short, 4)
+        self._timed(self.long, 1)  # warm-up of both step shapes
+
+    def _timed(self, prompt: list[int], n: int) -> float:
+        from segserve import SamplingParams
+
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         assert len(outs[0].outputs[0].token_ids) == n
         return time.perf_counter() - t0
 
-    short = [1, 504, 3458, 282, 4649, 314, 253, 216]  # 8 tokens: tg128 starts from an empty context
-    long = [(17 * i) % 40000 + 100 for i in range(512)]
-    timed(short, 4)
-    timed(long, 1)  # warm-up of both step shapes
-    decode, prefill = [], []
-    for _ in range(repeats):
-        t1, tn = timed(short, 1), timed(short, 129)
-        decode.append(128 / (tn - t1))
-        prefill.append(512 / timed(long, 1))
-    return {"tg128": statistics.median(decode), "pp512": statistics.median(prefill), "tg128_runs": decode,
-            "pp512_runs": prefill, "load_before": before, "load_after": load_average(), "dtype": dtype,
-            "quantization": quantization}
+    def rep(self) -> dict[str, float]:
+        t1, tn = self._timed(self.short, 1), self._timed(self.short, 129)
+        return {"tg128": 128 / (tn - t1), "pp512": 512 / self._timed(self.long, 1)}
+
+
+def interleaved(ours: SegserveRates, bindir: Path, model: Path, threads: int,
+                repeats: int) -> tuple[dict, dict]:
+    """``repeats`` rounds of one segserve repetition and one ``llama-bench -r 1``, the order alternating
+    round by round (ABBA...), so a slow phase of the shared host falls on both engines alike.
+
+    Returns (segserve, llama.cpp) dicts of medians, the per-round runs and the load around them."""
+    runs: dict[str, list[dict]] = {"segserve": [], "llama.cpp": []}
+    before = load_average()
+    for r in range(repeats):
+        order = ("segserve", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "segserve")
+        for engine in order:
+            run = ours.rep() if engine == "segserve" else llama_bench(bindir, model, threads, 1)
+            runs[engine].append(run)
+    after = load_average()
+    out = []
+    for engine in ("segserve", "llama.cpp"):
+        entry = {t: statistics.median(run[t] for run in runs[engine]) for t in GOALS}
+        entry |= {f"{t}_runs": [run[t] for run in runs[engine]] for t in GOALS}
+        entry |= {"load_before": before, "load_after": after}
+        out.append(entry)
+    out[0] |= {"dtype": ours.dtype, "quantization": ours.quantization}
+    out[1]["command"] = runs["llama.cpp"][0]["command"]
+    return out[0], out[1]
 
 
 _MEMORY_PROBE = """
@@ -183,7 +212,7 @@ def memory_after_load(threads: int, quantization: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="rounds, each one rep of both engines")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--jobs", type=int, default=2, help="parallel jobs of the llama.cpp build")
@@ -206,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     "python": sys.version.split()[0], "files": {}}
     lines = []
     for label, path in (("Q4_1", q4_1), ("Q8_0", q8_0)):
-        ours = segserve_rates(path, args.threads, args.repeats, args.dtype, None)
-        theirs = llama_bench(bindir, path, args.threads, args.repeats)
+        ours, theirs = interleaved(SegserveRates(path, args.threads, args.dtype, None), bindir, path,
+                                   args.threads, args.repeats)
         entry = {"path": str(path), "segserve": ours, "llama.cpp": theirs}
         for test, goal in GOALS.items():
             ratio = ours[test] / theirs[test]
@@ -220,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
 
             previous = quant.set_int8(True)
             try:
-                int8 = segserve_rates(path, args.threads, args.repeats, args.dtype, None)
-                entry["segserve_int8"] = int8
+                int8_rates = SegserveRates(path, args.threads, args.dtype, None)
+                reps = [int8_rates.rep() for _ in range(args.repeats)]
+                int8 = {t: statistics.median(r[t] for r in reps) for t in GOALS}
+                entry["segserve_int8"] = int8 | {f"{t}_runs": [r[t] for r in reps] for t in GOALS}
             finally:
                 quant.set_int8(previous)
             for test in GOALS:

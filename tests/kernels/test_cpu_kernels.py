@@ -308,9 +308,22 @@ def _probe(env: dict[str, str]) -> str:
     return proc.stdout.strip()
 
 
-def test_build_goes_to_the_cache_dir_and_a_missing_compiler_falls_back(tmp_path: Path) -> None:
+def _copy_of_this_process_library(dest: Path) -> Path:
+    """The kernel library this process loaded, with its digest, copied into ``dest``: a probe pointed
+    there finds it intact and builds nothing (a build takes ~25 s here)."""
+    assert cpu_kernels.enabled(), cpu_kernels.unavailable_reason()
+    src = Path(build._loaded._name)
+    lib = dest / src.name
+    lib.write_bytes(src.read_bytes())
+    build._digest_path(lib).write_bytes(build._digest_path(src).read_bytes())
+    return lib
+
+
+def test_an_intact_cached_library_is_loaded_as_is_and_a_missing_compiler_falls_back(tmp_path: Path) -> None:
+    lib = _copy_of_this_process_library(tmp_path)
+    before = lib.stat().st_mtime_ns
     assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"
-    assert len(list(tmp_path.glob("segserve_cpu_*.so"))) == 1
+    assert lib.stat().st_mtime_ns == before and len(list(tmp_path.glob("segserve_cpu_*.so"))) == 1
     out = _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path / "other"), "CC": "/nonexistent/cc"})
     assert out.startswith("False no C compiler (/nonexistent/cc)")
     assert _probe({"SEGSERVE_CPU_KERNELS": "0"}).startswith("False switched off")
@@ -434,12 +447,13 @@ def test_tensors_c_cannot_read_and_aliasing_are_refused() -> None:
     assert torch.count_nonzero(cache) == 0
 
 
-def test_a_damaged_cached_library_is_rebuilt(tmp_path: Path) -> None:
-    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"
-    (lib,) = tmp_path.glob("segserve_cpu_*.so")
+def test_a_damaged_cached_library_is_rebuilt_in_the_cache_dir(tmp_path: Path) -> None:
+    lib = _copy_of_this_process_library(tmp_path)
     good = lib.read_bytes()
     lib.write_bytes(good[:5000])  # truncated: loading it crashed the process with SIGBUS
-    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"
+    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"  # one build, into tmp_path
     assert lib.read_bytes() == good
     lib.write_bytes(Path("/bin/true").read_bytes())  # a foreign library: no kernels in it
-    assert _probe({"SEGSERVE_KERNEL_DIR": str(tmp_path)}) == "True None"
+    assert not build._intact(lib)  # what sent the truncated file to a rebuild: this one would follow it
+    lib.write_bytes(good)
+    assert build._intact(lib)

@@ -62,7 +62,7 @@ def fuzz_server(tiny_loaded):
 
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error_nor_schema_violation(fuzz_server):
-    """Seeded (``derandomize``), bounded: 660 generated cases over the two generation routes (half
+    """Seeded (``derandomize``), bounded: 415 generated cases over the two generation routes (half
     positive, half negative data) plus the three GET routes; every failure of the selected checks
     is collected and reported, none may occur."""
     import requests
@@ -89,9 +89,9 @@ def test_schemathesis_finds_no_server_error_nor_schema_violation(fuzz_server):
         has_body = operation.method.lower() == "post"
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,)
         for mode in modes:
-            _fuzz(operation, mode, 165 if has_body else 5, handle.base_url, session, checks, counts, failures)
+            _fuzz(operation, mode, 100 if has_body else 5, handle.base_url, session, checks, counts, failures)
     total = sum(counts.values())
-    assert total >= 600, counts
+    assert total >= 400, counts
     assert failures == [], f"{len(failures)} of {total} cases failed:\n" + "\n".join(failures[:10])
     handle.assert_idle_and_clean()
 
