@@ -122,25 +122,59 @@ async def _stream_one(client: Any, url: str, body: dict, timing: RequestTiming, 
                 text = (await resp.aread()).decode(errors="replace")
                 timing.error = f"HTTP {resp.status_code}: {text[:200]}"
                 return
-            chunks = 0
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if line.startswith("data:") and not _record_event(line[5:].strip(), timing, t0):
                     break
-                event = json.loads(data)
-                choices = event.get("choices") or []
-                if choices and choices[0].get("text"):
-                    timing.chunk_times.append(time.perf_counter() - t0)
-                    chunks += 1
-                usage = event.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    timing.output_tokens = usage["completion_tokens"]
-            timing.output_tokens = timing.output_tokens or chunks
+            timing.output_tokens = timing.output_tokens or len(timing.chunk_times)
             timing.done = time.perf_counter() - t0
     except Exception as exc:  # a failed request is a result of the benchmark, not a crash
         timing.error = f"{type(exc).__name__}: {exc}"
+
+
+def _record_event(data: str, timing: RequestTiming, t0: float) -> bool:
+    """Take one SSE ``data:`` payload into ``timing``; False at ``[DONE]``."""
+    if data == "[DONE]":
+        return False
+    event = json.loads(data)
+    choices = event.get("choices") or []
+    if choices and choices[0].get("text"):
+        timing.chunk_times.append(time.perf_counter() - t0)
+    usage = event.get("usage")
+    if usage and usage.get("completion_tokens") is not None:
+        timing.output_tokens = usage["completion_tokens"]
+    return True
+
+
+def stream_one_blocking(url: str, body: dict, t0: float, timeout_s: float = 600.0) -> RequestTiming:
+    """POST one streaming completion with the standard library's ``http.client``, no event loop, and
+    time it like ``_stream_one`` (sent at ``t0``). For one stream alone (batch-1 TPOT): on a 2-core
+    machine the client shares the engine's cores, and ``httpx``'s asyncio client spends ~2 ms of CPU a
+    token there (``benchmarks/server_tpot.py``), which the server's TPOT would then carry.
+
+    Errors are recorded in the result, not raised.
+    """
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    timing = RequestTiming(time.perf_counter() - t0, len(body.get("prompt") or ()))
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    try:
+        conn.request("POST", parts.path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            timing.error = f"HTTP {resp.status}: {resp.read().decode(errors='replace')[:200]}"
+            return timing
+        for raw in iter(resp.readline, b""):
+            if raw.startswith(b"data:") and not _record_event(raw[5:].strip().decode(), timing, t0):
+                break
+        timing.output_tokens = timing.output_tokens or len(timing.chunk_times)
+        timing.done = time.perf_counter() - t0
+    except Exception as exc:  # a failed request is a result of the benchmark, not a crash
+        timing.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return timing
 
 
 async def run_serve(

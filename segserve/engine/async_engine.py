@@ -2,10 +2,10 @@
 
 ``LLMEngine`` is not thread-safe, so every call into it (``add_request``, ``abort_request``, ``step``,
 inspection for tests) runs on the engine thread: callers enqueue a command and the thread runs the
-queued commands between steps. Outputs travel back through ``loop.call_soon_threadsafe`` into the
-caller's ``asyncio.Queue``, so HTTP handlers never wait on a step. The shape follows vLLM's
-``AsyncLLM.generate`` (an async iterator of cumulative ``RequestOutput`` per request; leaving the
-iterator early aborts the request).
+queued commands between steps. Outputs travel back through ``loop.call_soon_threadsafe`` (one call per
+step and event loop) into the caller's ``asyncio.Queue``, so HTTP handlers never wait on a step. The
+shape follows vLLM's ``AsyncLLM.generate`` (an async iterator of cumulative ``RequestOutput`` per
+request; leaving the iterator early aborts the request).
 """
 
 from __future__ import annotations
@@ -297,13 +297,20 @@ class AsyncLLMEngine:
         outputs = self.engine.step()
         now = time.monotonic()
         new_tokens = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
         for out in outputs:
             total = sum(len(c.token_ids) for c in out.outputs)
             new_tokens[out.request_id] = total - self._generated.get(out.request_id, 0)
             self._generated[out.request_id] = total
             if out.finished:
                 self._generated.pop(out.request_id, None)
-            self._deliver(out.request_id, out, out.finished)
+            stream = self._stream_of(out.request_id, out.finished)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        # One hand-over per event loop and step, not per stream: each wakes the loop's thread, which
+        # then competes with this thread for the GIL and with the kernels' threads for the cores.
+        for loop, items in by_loop.items():
+            self._post(loop, items)
         info = StepInfo(outputs, new_tokens, now, self.engine)
         for observer in self.observers:
             observer.on_step(info)
@@ -314,15 +321,24 @@ class AsyncLLMEngine:
         for observer in self.observers:
             observer.on_step(info)
 
+    def _stream_of(self, request_id: str, last: bool) -> OutputStream | None:
+        """The request's open stream (forgotten when ``last``), or None if it has none."""
+        return self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
-        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if stream is None:
-            return
+        stream = self._stream_of(request_id, last)
+        if stream is not None:
+            self._post(stream.loop, [(stream, item)])
+
+    def _post(self, loop: asyncio.AbstractEventLoop,
+              items: list[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
+        """Queue ``items`` into their streams on ``loop``, in one call from this thread."""
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody will read this request
-            self.engine.abort_request(request_id)
-            self._streams.pop(request_id, None)
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's event loop is closed: nobody will read these requests
+            for stream, _ in items:
+                self.engine.abort_request(stream.request_id)
+                self._streams.pop(stream.request_id, None)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop failed: {exc!r}")
@@ -338,3 +354,9 @@ class AsyncLLMEngine:
                 return
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(error)
+
+
+def _put_all(items: list[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
+    """On the streams' event loop: hand each output to its stream."""
+    for stream, item in items:
+        stream.queue.put_nowait(item)

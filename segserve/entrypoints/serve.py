@@ -10,6 +10,7 @@ import time
 from segserve.engine_args import EngineArgs
 from segserve.entrypoints.openai.limits import DEFAULT_GRACE_S, DEFAULT_MAX_BODY_BYTES
 from segserve.entrypoints.ray_serve import settings as scale_out
+from segserve.simulator import budget
 from segserve.simulator.budget import AUTO, add_budget_args
 
 log = logging.getLogger("segserve")
@@ -73,7 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     scale_out.add_cli_args(srv)
     # The server sizes its budget for --target-itl-ms; offline use (LLM, generate) keeps 512.
-    srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO)
+    # --attention-cost-tokens left out: sized with an automatic budget (``budget.auto_attention_cost``),
+    # else 0 (off); a number, 0 included, wins.
+    srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO, attention_cost_tokens=None)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -103,7 +106,9 @@ def run_serve(args: argparse.Namespace) -> int:
     auto = args.max_num_batched_tokens == AUTO
     given = None if auto else settle_budget(args, None)  # a bad number fails before any calibration
     choice = _step_profile(args)
-    args.max_num_batched_tokens = (given or settle_budget(args, choice)).budget
+    settled = given or settle_budget(args, choice)
+    args.max_num_batched_tokens = settled.budget
+    args.attention_cost_tokens = budget.attention_cost_for(args.attention_cost_tokens, settled)
     if use_ray:
         from segserve.entrypoints.ray_serve.launch import run_cluster
 

@@ -24,8 +24,9 @@ _I = ctypes.c_int32
 _L = ctypes.c_int64
 
 _EPILOGUES = {None: 0, "residual": 1, "silu_mul": 2}
-_ERRORS = {-1: "unsupported shape", -5: "argument struct of another size (the library and amx.py disagree "
-           "on its layout)", -6: "AMX not available in this process"}
+_ERRORS = {-1: "unsupported shape", -2: "out of memory (the per-thread stage buffer)",
+           -5: "argument struct of another size (the library and amx.py disagree on its layout)",
+           -6: "AMX not available in this process"}
 # Flops of one round of sg_amx_peak's loop: 4 tile products of 16 x 16 x 32 multiply-adds.
 PEAK_FLOPS_PER_ITER = 4 * 16 * 16 * 32 * 2
 

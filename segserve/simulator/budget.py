@@ -18,15 +18,18 @@ import math
 from dataclasses import dataclass
 
 from segserve.config import default_token_buckets
-from segserve.simulator.step_model import RequestSlice, StepComposition, StepTimeModel
+from segserve.simulator.step_model import LinearStepModel, RequestSlice, StepComposition, StepTimeModel
 
 AUTO = "auto"
-# 250 ms: a stream never falls below 4 tokens/s (about reading speed) while a prompt is chunked
-# beside it. On 2 CPU cores a decode-only step takes 20-60 ms, so only chunk-carrying steps come
-# near it, and a 512-token step takes 0.7-1 s: a lower target (100-150 ms) leaves budgets of 32-64
-# tokens whose fixed per-step cost (~17 ms, Python and launches) taxes prefill by 15-35 %, a higher
-# one (500 ms+) gives up the point of chunking. The built-in CPU profile gives 128 tokens at 250 ms.
-DEFAULT_TARGET_ITL_MS = 250.0
+# 400 ms: a stream stays above 2.5 tokens/s while a prompt is chunked beside it, and on 2 CPU cores
+# a chat-sized prompt (up to ~500 tokens) fits one step: this machine's bfloat16 profile gives 512
+# tokens (predicted 324-379 ms), where 250 ms gave 256, which split half of the random serving
+# workload's 128-384-token prompts into two chunk steps (two inter-token gaps for every running
+# stream and ~2 steps to the first token). Interleaved under `vllm bench serve` (docs/perf.md,
+# "Serving: the step budget") 512 beat 256 on TTFT p50/p99 and ITL p50. Lower targets (100-150 ms)
+# leave budgets of 32-64 tokens whose fixed per-step cost (~17 ms) taxes prefill by 15-35 %; a much
+# higher one (1 s+) gives up the point of chunking (a long prompt's steps stall every stream).
+DEFAULT_TARGET_ITL_MS = 400.0
 # The step the budget is sized for: a handful of chat streams decoding while a prompt is chunked.
 AUTO_DECODES = 8
 AUTO_CONTEXT = 256
@@ -63,6 +66,8 @@ class BudgetChoice:
         predicted_s: the predicted time of the sized-for step (NaN when given).
         target_s: the target (NaN when given).
         line: one line for the log.
+        attention_cost_tokens: K for ``--attention-cost-tokens`` sized with the budget (0: none; see
+            ``auto_attention_cost``).
     """
 
     budget: int
@@ -70,6 +75,7 @@ class BudgetChoice:
     predicted_s: float
     target_s: float
     line: str
+    attention_cost_tokens: int = 0
 
 
 def sized_step(budget: int, max_num_seqs: int, max_model_len: int) -> StepComposition:
@@ -100,7 +106,26 @@ def auto_budget(
         f"--target-itl-ms {1000 * target_s:.0f} ({decodes} decodes at {AUTO_CONTEXT} tokens of context "
         f"+ a {best - decodes}-token chunk after {AUTO_CONTEXT} cached)"
     )
-    return BudgetChoice(best, True, best_t, target_s, line)
+    k = auto_attention_cost(model)
+    if k:
+        line += f"; attention cost K = {k} tokens (later chunks of long prompts shrink to fit)"
+    return BudgetChoice(best, True, best_t, target_s, line, k)
+
+
+def auto_attention_cost(model: StepTimeModel) -> int:
+    """K for the attention-cost-weighted budget that tracks ``model``: the cost of a padded row over
+    the cost of one unit of chunk attention, so that the scheduler's charge for a chunk of ``n``
+    tokens after ``p`` cached, ``n + n (p + n) / K`` (``SchedulerConfig``), grows with ``p`` as the
+    predicted step time does, and a late chunk of a long prompt fits the time of a first one (Sarathi-
+    Serve's bound on every step, not only the sized one). 0 (off) for a model without both terms.
+    """
+    if not isinstance(model, LinearStepModel):
+        return 0
+    per_row = model.coefficients.get("padded_tokens", 0.0)
+    per_attn = model.coefficients.get("prefill_attn", 0.0)
+    if not (per_row > 0 and per_attn > 0):
+        return 0
+    return max(1, round(per_row / per_attn))
 
 
 def settle_budget(
@@ -123,3 +148,11 @@ def settle_budget(
             f"give at least {block_size}, or auto"
         )
     return BudgetChoice(value, False, math.nan, math.nan, f"max_num_batched_tokens = {value} (given)")
+
+
+def attention_cost_for(given: int | None, settled: BudgetChoice) -> int:
+    """``--attention-cost-tokens`` of ``segserve serve``: a number given (0 included) wins; left out,
+    the K sized with an automatic budget (``settled.attention_cost_tokens``), else 0 (off)."""
+    if given is not None:
+        return given
+    return settled.attention_cost_tokens if settled.auto else 0

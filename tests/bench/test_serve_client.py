@@ -101,3 +101,67 @@ def test_client_against_a_stub_server_counts_tokens_and_failures():
     assert r["median_itl_ms"] >= 10.0  # the stub sleeps 10 ms between chunks
     assert r["request_goodput"] == pytest.approx(2 / duration)
     assert math.isclose(r["request_throughput"], 2 / duration)
+
+
+def _chunked_sse_handler():
+    """An ``http.server`` handler class: the stub above as a real HTTP/1.1 server with chunked SSE
+    (the second delta is empty)."""
+    import http.server
+    import time as _time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet test output
+            pass
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if len(body["prompt"]) > 50:
+                err = b'{"error": {"message": "prompt too long"}}'
+                self.send_response(400)
+                self.send_header("Content-Length", str(len(err)))
+                self.end_headers()
+                self.wfile.write(err)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for k in range(body["max_tokens"]):
+                _time.sleep(0.01)
+                text = "" if k == 1 else "x"  # an empty delta is no token arrival
+                self._chunk(f'data: {json.dumps({"choices": [{"index": 0, "text": text}]})}\n\n'.encode())
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+            self._chunk(f'data: {json.dumps({"choices": [], "usage": usage})}\n\n'.encode())
+            self._chunk(b"data: [DONE]\n\n")
+            self._chunk(b"")
+
+    return Handler
+
+
+def test_blocking_client_times_chunked_sse_and_records_errors():
+    import http.server
+    import threading
+    import time
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _chunked_sse_handler())
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    try:
+        t0 = time.perf_counter()
+        t = sc.stream_one_blocking(url, {"prompt": list(range(10)), "max_tokens": 5}, t0)
+        assert t.ok and t.error is None
+        assert (len(t.chunk_times), t.output_tokens, t.prompt_tokens) == (4, 5, 10)  # usage wins
+        assert min(t.itls) >= 0.01 and t.done >= t.chunk_times[-1]
+        bad = sc.stream_one_blocking(url, {"prompt": list(range(60)), "max_tokens": 2}, t0)
+        assert not bad.ok and bad.error == 'HTTP 400: {"error": {"message": "prompt too long"}}'
+    finally:
+        server.shutdown()
+        server.server_close()
+    gone = sc.stream_one_blocking(url, {"prompt": [1], "max_tokens": 2}, time.perf_counter(), timeout_s=5)
+    assert not gone.ok and gone.error.startswith("ConnectionRefusedError")

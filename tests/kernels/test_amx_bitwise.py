@@ -173,3 +173,30 @@ def _every_gate_value() -> torch.Tensor:
 
 def test_silu_gate_bits_equal_the_kernel_before_the_rework_on_every_bfloat16_gate() -> None:
     assert _digest(_every_gate_value()) == EVERY_GATE_VALUE
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", CASES[:7], ids=[c[0] for c in CASES[:7]])
+def test_strided_x_gives_the_contiguous_bits(case, threads: int) -> None:
+    """x as a column slice of wider rows whose other columns are NaN, over several row chunks: the
+    prefetch look-ahead (the thread's next rows of x, the item's rows of y) runs past row M and over the
+    padding, and the tile loads must still read only the K columns of each row."""
+    name, n, k, epilogue, bias, dtype = case
+    m = 2050
+    x = _pattern(m, k, 131, 71, 251, 1 / 64)
+    wide = torch.full((m, k + 96), float("nan"), dtype=torch.bfloat16)
+    wide[:, 32:32 + k] = x
+    w = _pattern(n, k, 37, 113, 241, 1 / 100 if epilogue == "silu_mul" else 1 / 2048)
+    b = _pattern(1, n, 0, 29, 61, 1 / 16)[0] if bias else None
+    packed = amx.pack(w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        xs = wide[:, 32:32 + k]
+        if epilogue == "residual":
+            y = amx.linear(xs, packed, n, k, b, residual=_pattern(m, n, 17, 3, 101, 1 / 32))
+        else:
+            y = amx.linear(xs, packed, n, k, b, silu_mul=epilogue == "silu_mul", out_dtype=dtype)
+    finally:
+        torch.set_num_threads(old)
+    assert _digest(y) == DIGESTS[(name, m)]

@@ -8,7 +8,15 @@ import math
 import pytest
 
 from segserve.entrypoints.cli import build_parser, main
-from segserve.simulator.budget import AUTO_CONTEXT, AUTO_DECODES, auto_budget, settle_budget, sized_step
+from segserve.simulator.budget import (
+    AUTO_CONTEXT,
+    AUTO_DECODES,
+    attention_cost_for,
+    auto_attention_cost,
+    auto_budget,
+    settle_budget,
+    sized_step,
+)
 from segserve.simulator.step_model import LinearStepModel
 
 # 10 ms a step + 1 ms a padded row: a budget B costs 10 + bucket(B) ms (buckets: 16..256 by powers of
@@ -31,6 +39,34 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
     choice = auto_budget(ROWS, target_s, block_size=16, max_num_seqs=64, max_model_len=8192)
     assert choice.budget == budget and choice.auto
     assert f"auto = {budget}" in choice.line
+
+
+def test_the_default_target_lets_a_chat_sized_prompt_into_one_step():
+    """A profile shaped like this machine's bfloat16 one (~0.6 ms a padded row): the old 250 ms gave
+    256 tokens, the default 400 ms gives 512; 768 (470 ms) does not fit."""
+    from segserve.simulator.budget import DEFAULT_TARGET_ITL_MS
+
+    model = LinearStepModel({"step": 0.010, "padded_tokens": 0.0006})
+    assert DEFAULT_TARGET_ITL_MS == 400.0
+    assert auto_budget(model, 0.250, 16, 256, 8192).budget == 256
+    choice = auto_budget(model, DEFAULT_TARGET_ITL_MS / 1000, 16, 256, 8192)
+    assert choice.budget == 512 and math.isclose(choice.predicted_s, 0.010 + 512 * 0.0006)
+
+
+def test_auto_attention_cost_is_the_row_cost_over_the_attention_cost():
+    """K = cost of a padded row / cost of one unit of chunk attention: this machine's bfloat16 profile
+    (0.455 ms a row, 2.06e-7 s per unit) gives ~2,200; without an attention term there is none."""
+    model = LinearStepModel({"step": 0.020, "padded_tokens": 0.000455, "prefill_attn": 2.06e-7})
+    assert auto_attention_cost(model) == 2209
+    choice = auto_budget(model, 0.4, 16, 256, 8192)
+    assert choice.attention_cost_tokens == 2209 and "attention cost K = 2209 tokens" in choice.line
+    assert auto_attention_cost(ROWS) == 0 and auto_budget(ROWS, 0.4, 16, 256, 8192).attention_cost_tokens == 0
+    # segserve serve: left out, K comes with an automatic budget only; a number, 0 included, wins.
+    given = settle_budget(512, model, 400, 16, 256, 8192)
+    assert (attention_cost_for(None, choice), attention_cost_for(None, given)) == (2209, 0)
+    assert (attention_cost_for(0, choice), attention_cost_for(1000, given)) == (0, 1000)
+    assert build_parser().parse_args(["serve"]).attention_cost_tokens is None
+    assert build_parser().parse_args(["generate"]).attention_cost_tokens == 0
 
 
 def test_auto_budget_counts_decodes_and_the_chunk_attention():
@@ -88,7 +124,7 @@ def test_a_budget_below_the_block_size_fails_before_any_model_loads(capsys):
 
 def test_serve_defaults_to_auto_and_offline_commands_keep_512(capsys):
     args = build_parser().parse_args(["serve"])
-    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 250.0
+    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 400.0
     assert build_parser().parse_args(["generate"]).max_num_batched_tokens == 512
     assert main(["generate", "--max-num-batched-tokens", "auto", "--prompt", "hi"]) == 2
     assert "give a number here" in capsys.readouterr().err

@@ -42,6 +42,43 @@ def test_decodes_are_scheduled_before_continuing_prefills():
     assert out.num_scheduled_tokens == {"long": 1, "short": 1}
 
 
+@pytest.mark.parametrize("budget, chunks", [(256, [248, 136]), (512, [384])])
+def test_a_384_token_prompt_beside_8_decodes_takes_one_step_at_512_and_two_at_256(budget, chunks):
+    """What the server's automatic budget decides for a chat-sized prompt (docs/perf.md): at 256 the
+    decodes' 8 tokens leave 248, so the prompt needs a second chunk step (another inter-token gap for
+    every stream, and a second step before its first token)."""
+    sched = make_scheduler(num_blocks=400, block_size=16, budget=budget)
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", list(range(100 * i, 100 * i + 20)), max_tokens=50))
+    step(sched)  # the 8 short prompts in one step; they decode from now on
+    sched.add_request(make_request("p", list(range(5000, 5384))))
+    got = []
+    for _ in chunks:
+        out = step(sched)
+        assert all(out.num_scheduled_tokens[f"d{i}"] == 1 for i in range(8))
+        got.append(out.num_scheduled_tokens["p"])
+    assert got == chunks
+    assert step(sched).num_scheduled_tokens["p"] == 1  # p has its first token: now a decode
+
+
+def test_with_the_attention_cost_a_long_prompts_late_chunks_shrink_beside_8_decodes():
+    """Budget 512 with K = 2,200 (what the server sizes on this machine): the first chunk of a 2,048-
+    token prompt beside 8 decodes is the whole 504 tokens left (cost (isqrt(2200^2 + 4 x 1,370,776)
+    - 2200) // 2 = 506 allows it); later ones attend over more cached tokens and get fewer."""
+    sched = make_scheduler(num_blocks=600, block_size=16, budget=512, attention_cost_tokens=2200)
+    for i in range(8):
+        sched.add_request(make_request(f"d{i}", list(range(100 * i, 100 * i + 20)), max_tokens=60))
+    step(sched)
+    sched.add_request(make_request("long", list(range(5000, 7048))))
+    chunks = []
+    while sum(chunks) < 2048:
+        out = step(sched)
+        assert all(out.num_scheduled_tokens[f"d{i}"] == 1 for i in range(8))
+        chunks.append(out.num_scheduled_tokens["long"])
+    # The second: prior 504, cost left 1,370,768 -> (isqrt(2704^2 + 4 x 1,370,768) - 2704) // 2 = 436.
+    assert chunks == [504, 436, 388, 353, 325, 42]
+
+
 def test_long_prefill_threshold_caps_one_requests_chunk():
     sched = make_scheduler(num_blocks=200, budget=256, long_prefill_token_threshold=100)
     sched.add_request(make_request("a", list(range(300))))

@@ -82,6 +82,7 @@ class EngineMetrics:
                  max_model_len: int = 2**20) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model_name, "engine": ENGINE_INDEX}
+        self._children: dict[int, object] = {}  # id(metric) -> its child for ``labels`` (``_of``)
         r, names = self.registry, ["model_name", "engine"]
         self.names = names
         self.running = Gauge("vllm:num_requests_running", "Requests running", names, registry=r)
@@ -131,6 +132,14 @@ class EngineMetrics:
         # Request id -> time of its latest token (completion 0), for inter-token latency.
         self._last_token: dict[str, float] = {}
 
+    def _of(self, metric):
+        """``metric``'s child for this model's labels, looked up once: ``labels()`` checks and locks on
+        every call, and the engine thread updates a dozen metrics per step."""
+        child = self._children.get(id(metric))
+        if child is None:
+            child = self._children[id(metric)] = metric.labels(**self.labels)
+        return child
+
     def _hist(self, name: str, doc: str, buckets: tuple = LATENCY_BUCKETS) -> Histogram:
         return Histogram(name, doc, self.names, buckets=buckets, registry=self.registry)
 
@@ -151,18 +160,17 @@ class EngineMetrics:
 
     def on_step(self, info: StepInfo) -> None:
         """Update gauges and counters from one step (engine thread)."""
-        labels = self.labels
         self._step_error(info.engine.step_monitor)
         stats = info.engine.scheduler.make_stats()
-        self.running.labels(**labels).set(stats.num_running)
-        self.waiting.labels(**labels).set(stats.num_waiting)
-        self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        self._of(self.running).set(stats.num_running)
+        self._of(self.waiting).set(stats.num_waiting)
+        self._of(self.kv_usage).set(stats.kv_cache_usage)
         self._cache_and_preemption_deltas(stats)
         computed = stats.num_prompt_tokens_computed
         step_tokens = computed - self._last_prompt_computed + sum(info.new_tokens.values())
         self._last_prompt_computed = computed
         if step_tokens > 0:
-            self.iteration_tokens.labels(**labels).observe(step_tokens)
+            self._of(self.iteration_tokens).observe(step_tokens)
         for out in info.outputs:
             self._request_step(out, info.new_tokens.get(out.request_id, 0), info.now)
 
@@ -171,52 +179,52 @@ class EngineMetrics:
         if monitor is None or monitor.num_steps == self._monitored_steps:
             return
         self._monitored_steps = monitor.num_steps
-        self.step_ratio.labels(**self.labels).observe(monitor.last_ratio)
+        self._of(self.step_ratio).observe(monitor.last_ratio)
         if monitor.num_steps % monitor.window == 0:
-            self.step_error.labels(**self.labels).set(monitor.last_median_error)
+            self._of(self.step_error).set(monitor.last_median_error)
 
     def _cache_and_preemption_deltas(self, stats: SchedulerStats) -> None:
         queries, hits = stats.prefix_cache.queries, stats.prefix_cache.hits
-        self.prefix_queries.labels(**self.labels).inc(queries - self._last_prefix[0])
-        self.prefix_hits.labels(**self.labels).inc(hits - self._last_prefix[1])
+        self._of(self.prefix_queries).inc(queries - self._last_prefix[0])
+        self._of(self.prefix_hits).inc(hits - self._last_prefix[1])
         self._last_prefix = (queries, hits)
         preemptions = stats.num_preemptions
-        self.preemptions.labels(**self.labels).inc(preemptions - self._last_preemptions)
+        self._of(self.preemptions).inc(preemptions - self._last_preemptions)
         self._last_preemptions = preemptions
 
     def _request_step(self, out: RequestOutput, new_tokens: int, now: float) -> None:
-        labels, m = self.labels, out.metrics
-        self.generation_tokens.labels(**labels).inc(new_tokens)
+        m = out.metrics
+        self._of(self.generation_tokens).inc(new_tokens)
         first = out.request_id not in self._last_token
         if new_tokens and first:
-            self.prompt_tokens.labels(**labels).inc(len(out.prompt_token_ids))
+            self._of(self.prompt_tokens).inc(len(out.prompt_token_ids))
             if m is not None and m.ttft is not None:
-                self.ttft.labels(**labels).observe(m.ttft)
+                self._of(self.ttft).observe(m.ttft)
             if m is not None and m.time_in_queue is not None:
-                self.queue_time.labels(**labels).observe(m.time_in_queue)
+                self._of(self.queue_time).observe(m.time_in_queue)
         elif new_tokens:
-            self.itl.labels(**labels).observe(now - self._last_token[out.request_id])
+            self._of(self.itl).observe(now - self._last_token[out.request_id])
         if new_tokens:
             self._last_token[out.request_id] = now
         if out.finished:
             self._last_token.pop(out.request_id, None)
             reason = out.outputs[0].finish_reason or "abort"
-            self.success.labels(**labels, finished_reason=reason).inc()
+            self.success.labels(**self.labels, finished_reason=reason).inc()
             if m is not None and m.finished_time is not None:
-                self.e2e.labels(**labels).observe(m.finished_time - m.arrival_time)
+                self._of(self.e2e).observe(m.finished_time - m.arrival_time)
             self._finished_request(out)
 
     def _finished_request(self, out: RequestOutput) -> None:
         """Per-request token counts and phase times (vLLM's ``FinishedRequestStats``)."""
-        labels, m = self.labels, out.metrics
-        self.request_prompt.labels(**labels).observe(len(out.prompt_token_ids))
-        self.request_generation.labels(**labels).observe(sum(len(c.token_ids) for c in out.outputs))
+        m = out.metrics
+        self._of(self.request_prompt).observe(len(out.prompt_token_ids))
+        self._of(self.request_generation).observe(sum(len(c.token_ids) for c in out.outputs))
         if m is None or m.first_scheduled_time is None or m.first_token_time is None:
             return
         last = m.last_token_time if m.last_token_time is not None else m.first_token_time
-        self.prefill_time.labels(**labels).observe(m.first_token_time - m.first_scheduled_time)
-        self.decode_time.labels(**labels).observe(last - m.first_token_time)
-        self.inference_time.labels(**labels).observe(last - m.first_scheduled_time)
+        self._of(self.prefill_time).observe(m.first_token_time - m.first_scheduled_time)
+        self._of(self.decode_time).observe(last - m.first_token_time)
+        self._of(self.inference_time).observe(last - m.first_scheduled_time)
 
     def on_abort(self, request_id: str) -> None:
         """An aborted request sends no final output: count it and drop its state (engine thread)."""

@@ -85,10 +85,15 @@ def check_fields(req: p.BaseModel, refused: dict[str, str]) -> None:
         raise bad_request(hit[1], hit[0])
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Return when the client has gone (the body is already read, so ``receive`` waits for that)."""
+_DISCONNECTED = object()  # what the disconnect watcher puts in the output queue
+
+
+async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
+    """Put ``_DISCONNECTED`` into ``q`` when the client has gone (the body is already read, so
+    ``receive`` waits for that)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    q.put_nowait(_DISCONNECTED)
 
 
 async def _pump(i: int, stream: OutputStream, q: asyncio.Queue) -> None:
@@ -105,20 +110,21 @@ async def until_disconnected(streams: list[OutputStream], request: Request
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) of every stream as outputs arrive (one stream per prompt), while the
     client is connected; every unfinished request is aborted when the client leaves or the consumer
-    stops early (after vLLM's ``merge_async_iterators`` and ``iterate_with_cancellation``)."""
+    stops early (after vLLM's ``merge_async_iterators`` and ``iterate_with_cancellation``).
+
+    The streams and the disconnect watcher feed one queue, so each output costs one ``await`` here
+    (no task or ``asyncio.wait`` per token: this runs once per token of every stream)."""
     q: asyncio.Queue = asyncio.Queue()
-    pumps = [asyncio.ensure_future(_pump(i, s, q)) for i, s in enumerate(streams)]
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    nxt = None
+    tasks = [asyncio.ensure_future(_pump(i, s, q)) for i, s in enumerate(streams)]
+    tasks.append(asyncio.ensure_future(_watch_disconnect(request, q)))
     try:
         left = len(streams)
         while left:
-            nxt = asyncio.ensure_future(q.get())
-            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
+            entry = await q.get()
+            if entry is _DISCONNECTED:
                 logger.info("client of %s disconnected", streams[0].request_id)
                 return
-            (i, item), nxt = nxt.result(), None
+            i, item = entry
             if item is None:
                 left -= 1
             elif isinstance(item, BaseException):
@@ -129,9 +135,8 @@ async def until_disconnected(streams: list[OutputStream], request: Request
         for stream in streams:
             stream.abort_if_unfinished()
         # Cancelling (not just dropping) pending tasks keeps them alive until they finish unwinding.
-        for task in (watcher, nxt, *pumps):
-            if task is not None:
-                task.cancel()
+        for task in tasks:
+            task.cancel()
 
 
 def sse(model: p.BaseModel | dict) -> str:

@@ -17,28 +17,39 @@
  * B tile: row r holds, for the 16 output columns c, the pair W[nb*16 + c][ks*32 + 2r .. +1] (VNNI). Tile
  * (nb, ks) starts at bf16 offset (nb * K/32 + ks) * 512, so one column block's K steps are contiguous.
  *
- * Blocking: threads (OpenMP, PyTorch's pool) split the output's column blocks evenly (not the rows: every
- * projection here has >= 36 blocks, enough for any thread count this is run with); each walks its
- * columns in panels of up to 2 blocks (row pairs of tiles: 2 x 2 accumulators, 2 A + 2 B tiles) or 4
- * blocks (a single row tile: 1 x 4 accumulators, 1 A + 3 B tiles); cache blocking keeps a ~1 MiB chunk
- * of W's columns and a ~128 KiB chunk of x's rows together in the 2 MiB L2: the W chunk is reused by
- * every row chunk, the x chunk by the W chunk's panels (software prefetch of the next panel measured no
- * better). x is read straight from its row-major rows (tile loads with its stride); a last partial row
- * tile is the 16 rows ending at row M (overlapping the previous tile; only its new rows are written) and
- * M < 16 configures tiles of M rows. A microkernel's stores (tile -> float32 buffer -> epilogue -> rows)
- * are not done at once: they are queued and the next microkernel's K loop stores a few rows per step,
- * so the AVX-512 epilogue overlaps the tile products (two accumulator buffers in turn; the last
- * microkernel of a thread's share drains its own).
+ * Blocking: the output is cut into work items, a chunk of column units (<= ~1 MiB of W, the L2 share)
+ * by a chunk of rows (~128 KiB of x), at least ~4 per thread where the columns allow; OpenMP threads
+ * (PyTorch's pool) take them dynamically, column chunk first (2026-12-02: a static split of the columns
+ * between the threads waited for whichever thread the machine's other tenants had descheduled). An item
+ * walks its columns in panels of up to 2 blocks (row pairs of tiles: 2 x 2 accumulators, 2 A + 2 B
+ * tiles) or 4 blocks (a single row tile: 1 x 4 accumulators, 1 A + 3 B tiles); its W chunk is reused
+ * from L2 by every row pair, its x chunk by every panel. x is read straight from its row-major rows
+ * (tile loads with its stride); a last partial row tile is the 16 rows ending at row M (overlapping the
+ * previous tile; only its new rows are written) and M < 16 configures tiles of M rows.
  *
- * Speed (one core of this Xeon, best of many short trials; the machine is shared and its AMX throughput
- * swings ~2x with the other tenants): the register-only peak ~1,900-2,100 GFLOP/s; the 2 x 2 loop with
- * its tile loads but all data in L1 ~1,500 (the 8 tiles leave no room to double-buffer the operands, so
- * each reload waits for the products still reading the tile); the GEMM at 512 rows ~1,000-1,100 on
- * qkv, o and down (~50 % of peak), ~750-830 on the 3,072-column gate|up, ~900 at 16 rows; the rest goes
- * to the stores (tile -> float32 buffer -> rounded bf16 rows, every K/32 steps) and x streaming from L2.
- * Overlapping the stores with the next products (2026-12-01, one thread, load 4-6, CPU time, same
- * process alternating): 512 rows qkv 296 -> 365, o 357 -> 396, gate|up (SiLU) 303 -> 438, down 321 ->
- * 377 GFLOP/s; without any epilogue at all (timing only) 435 / 428 / 420 / 360.
+ * Stores (tile -> float32 -> epilogue -> rows), two ways. The SiLU-gated gate|up projection queues
+ * them: the next microkernel's K loop stores a few rows per step, so the heavy epilogue (exp and divide
+ * per value) overlaps the tile products (two accumulator buffers in turn; a thread's last microkernel
+ * drains its own). Every other epilogue is staged: the item's tiles go to a per-thread float32 stage
+ * and one pass after the item's products stores its rows. Interleaving those light stores cost more
+ * than they do: at M = 4,096, one thread, best of 40-300 calls (2026-12-02, /tmp harness alternating
+ * builds), staged vs queued: qkv 576 -> 701, o 657 -> 753, down 718 -> 807 GFLOP/s; gate|up kept
+ * queued (staged it lost ~10 %, its epilogue being ~80 % of the tile time when not overlapped).
+ *
+ * Prefetch (2026-12-02, round 4): at prefill sizes (M = 4,096: x 4.7 MB, y up to 12.6 MB) neither x nor
+ * y stays in L2 between items, so the first panel of an item waited on x's rows and the stores on y's
+ * lines. The 2 x 2 kernel's K loop therefore issues a few prefetches per step: the rows of x this
+ * thread will likely take next (the row chunk ``threads`` chunks ahead) into L2; for staged stores the
+ * item's own rows of y for writing (the residual epilogue reads them too); for the queued SiLU stores
+ * each microkernel's 32 output rows, drained by the next one. One thread, M = 4,096, paired median over
+ * 80 rounds against the kernel before round 3 (queued stores, static split, no prefetch), load ~5:
+ * gate|up 1.11x, qkv 1.37x, down 1.15x, o 1.09x; without the prefetches (staged + dynamic alone) ~1.0x.
+ *
+ * Speed (one core, min over many calls; the host has phases where the tile unit runs ~3x slower, so a
+ * figure means little without the register-only peak measured beside it, ~2,100-2,200 GFLOP/s when
+ * fast): the 2 x 2 loop with its tile loads, all data in L1, ~72 % of that peak (each reload waits
+ * for the products still reading the tile); without any store ~50-60 %; the GEMM at M = 512 ~43-47 %
+ * on qkv, o and down, ~38 % on gate|up; at M = 4,096 (one prefill chunk) ~33-38 % and ~23 %.
  *
  * Tile state is per thread: each call's parallel region loads the tile configuration in every thread
  * and releases it (tilerelease) at the end, so threads that then run AVX-512 or PyTorch code carry no
@@ -55,13 +66,14 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "segserve_simd.h"
 
-enum { AMX_OK = 0, AMX_ERR_SHAPE = -1, AMX_ERR_LAYOUT = -5, AMX_ERR_NO_AMX = -6 };
+enum { AMX_OK = 0, AMX_ERR_SHAPE = -1, AMX_ERR_NOMEM = -2, AMX_ERR_LAYOUT = -5, AMX_ERR_NO_AMX = -6 };
 enum { AMX_DT_F32 = 0, AMX_DT_BF16 = 1 };
 enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2 };
 
@@ -212,6 +224,13 @@ typedef struct store_plan {
     const uint16_t *bias; /* (N,) bf16 or NULL */
 } store_plan;
 
+/* 16 float32 lanes rounded to bfloat16 (nearest even) and stored: the bits sg_bf16_store16 writes
+ * after sg_bf16_round16, without widening the rounded values back to float32 and narrowing them again
+ * (5 fewer instructions per row of the epilogue). */
+static inline void store_bf16_rounded(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /* Row r of accumulator buffer c (rows x 16 float32) to output row m0 + r, columns col .. col + 15 (bias
  * columns bcol ..); ``up`` the paired up-projection buffer for EPI_SILU_MUL, whose output column is
  * ``col`` of the (M, N/2) result and whose bias columns are ``bcol_up`` .. */
@@ -227,13 +246,14 @@ static inline void store_row(const store_plan *p, const float *c, const float *u
         u = sg_bf16_round16(u);
         __m512 e = sg_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
         __m512 s = sg_bf16_round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        sg_bf16_store16((uint16_t *)p->y + at, sg_bf16_round16(_mm512_mul_ps(s, u)));
+        store_bf16_rounded((uint16_t *)p->y + at, _mm512_mul_ps(s, u));
     } else if (p->ydt == AMX_DT_F32) {
         _mm512_storeu_ps((float *)p->y + at, v);
-    } else {
+    } else if (p->epilogue == EPI_RESIDUAL) {
         v = sg_bf16_round16(v);
-        if (p->epilogue == EPI_RESIDUAL) v = sg_bf16_round16(_mm512_add_ps(sg_bf16x16_to_f32((uint16_t *)p->y + at), v));
-        sg_bf16_store16((uint16_t *)p->y + at, v);
+        store_bf16_rounded((uint16_t *)p->y + at, _mm512_add_ps(sg_bf16x16_to_f32((uint16_t *)p->y + at), v));
+    } else {
+        store_bf16_rounded((uint16_t *)p->y + at, v);
     }
 }
 
@@ -281,18 +301,67 @@ static inline void queue_drain(const store_plan *p, store_queue *q, int budget) 
 
 /* ---- microkernels ----------------------------------------------------------------------------- */
 
+/* A block of rows to prefetch a few 64-byte lines at a time while tile products run: ``rows`` rows of
+ * ``row_lines`` lines each, ``ld`` bytes apart, from ``row`` (the current one) at line ``col``; ``per``
+ * lines per K step (internal, tagged like tile_config). */
+typedef struct line_stream {
+    const char *row;
+    int64_t ld, row_lines, col, rows;
+    int per;
+} line_stream;
+
+static inline void stream_start(line_stream *ls, const void *first, int64_t ld, int64_t row_bytes, int64_t rows,
+                                int64_t steps) {
+    ls->row = (const char *)first;
+    ls->ld = ld;
+    ls->row_lines = (row_bytes + 63) / 64;
+    ls->col = 0;
+    ls->rows = rows > 0 && steps > 0 ? rows : 0;
+    ls->per = ls->rows ? (int)((ls->rows * ls->row_lines + steps - 1) / steps) : 0;
+}
+
+/* The next ``per`` lines: into L2 (x, read by the next item) or, ``write``, for writing (y, stored at the
+ * end of this item). */
+static inline void stream_step(line_stream *ls, int write) {
+    for (int i = 0; i < ls->per && ls->rows; i++) {
+        if (write)
+            __builtin_prefetch(ls->row + 64 * ls->col, 1, 2);
+        else
+            _mm_prefetch(ls->row + 64 * ls->col, _MM_HINT_T1);
+        if (++ls->col == ls->row_lines) {
+            ls->col = 0;
+            ls->row += ls->ld;
+            ls->rows--;
+        }
+    }
+}
+
+/* Where a microkernel stores its float32 accumulators: accumulator (row tile i, column block j) at
+ * c + i ldt + j ldb, its rows ldr floats apart (internal, tagged like tile_config). */
+typedef struct tile_dst {
+    float *c;
+    int64_t ldt, ldb, ldr;
+    const char *out0, *out1; /* queued: where rows 0-15 of each row tile will be stored (else NULL) */
+    int64_t ldo;             /* their row stride, bytes */
+} tile_dst;
+
 /* Two row tiles (rows m0, m1) x nr (1 or 2) column blocks b[0..nr) over KS steps of K: accumulators
  * 0 (m0 b0), 1 (m0 b1), 2 (m1 b0), 3 (m1 b1); A tiles 4, 5; B tiles 6, 7. Drains the queue (the previous
  * microkernel's rows, never buffer c) a few rows per K step, then stores to c[0..3]. */
 AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, int64_t ldxb,
-                                        const uint16_t *const b[4], int nr, int64_t KS, float c[4][256],
-                                        const store_plan *p, store_queue *q) {
-    const int per = (int)((queue_rows(q) + KS - 1) / KS);
+                                        const uint16_t *const b[4], int nr, int64_t KS, const tile_dst *d,
+                                        const store_plan *p, store_queue *q, line_stream ls[2]) {
+    const int per = (int)((queue_rows(q) + KS - 1) / KS), pfper = (int)((32 + KS - 1) / KS);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ks = 0; ks < KS; ks++) {
+        if (d->out0)
+            for (int i = 0, r = (int)ks * pfper; i < pfper && r < 32; i++, r++)
+                __builtin_prefetch(r < 16 ? d->out0 + r * d->ldo : d->out1 + (r - 16) * d->ldo, 1, 3);
+        stream_step(&ls[0], 0);
+        stream_step(&ls[1], 1);
         _tile_loadd(4, x0 + ks * 32, ldxb);
         _tile_loadd(6, b[0] + ks * TILE_ELEMS, 64);
         _tile_loadd(5, x1 + ks * 32, ldxb);
@@ -306,18 +375,19 @@ AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, 
         if (q->n) queue_drain(p, q, per);
     }
     queue_drain(p, q, 1 << 30);
-    _tile_stored(0, c[0], 64);
-    _tile_stored(2, c[2], 64);
+    const int64_t sb = d->ldr * 4;
+    _tile_stored(0, d->c, sb);
+    _tile_stored(2, d->c + d->ldt, sb);
     if (nr > 1) {
-        _tile_stored(1, c[1], 64);
-        _tile_stored(3, c[3], 64);
+        _tile_stored(1, d->c + d->ldb, sb);
+        _tile_stored(3, d->c + d->ldt + d->ldb, sb);
     }
 }
 
 /* One row tile x nr (1..4) column blocks: accumulators 0-3, A tile 4, B tiles 5, 6, 7 (5 again for the
  * fourth block, once accumulator 0 has read it). Drains the queue as kernel_2x does; stores to c[0..nr). */
 AMX_TARGET static inline void kernel_1x(const uint16_t *x0, int64_t ldxb, const uint16_t *const b[4], int nr,
-                                        int64_t KS, float c[4][256], const store_plan *p, store_queue *q) {
+                                        int64_t KS, const tile_dst *d, const store_plan *p, store_queue *q) {
     const int per = (int)((queue_rows(q) + KS - 1) / KS);
     _tile_zero(0);
     _tile_zero(1);
@@ -343,10 +413,11 @@ AMX_TARGET static inline void kernel_1x(const uint16_t *x0, int64_t ldxb, const 
         if (q->n) queue_drain(p, q, per);
     }
     queue_drain(p, q, 1 << 30);
-    _tile_stored(0, c[0], 64);
-    if (nr > 1) _tile_stored(1, c[1], 64);
-    if (nr > 2) _tile_stored(2, c[2], 64);
-    if (nr > 3) _tile_stored(3, c[3], 64);
+    const int64_t sb = d->ldr * 4;
+    _tile_stored(0, d->c, sb);
+    if (nr > 1) _tile_stored(1, d->c + d->ldb, sb);
+    if (nr > 2) _tile_stored(2, d->c + 2 * d->ldb, sb);
+    if (nr > 3) _tile_stored(3, d->c + 3 * d->ldb, sb);
 }
 
 /* ---- GEMM ------------------------------------------------------------------------------------- */
@@ -366,16 +437,32 @@ typedef struct {
     int32_t epilogue;      /* EPI_NONE, EPI_RESIDUAL (y = bf16(y + bf16(acc))), EPI_SILU_MUL (gate | up) */
 } sg_amx_linear_args;
 
-/* Column units [u, u + units) over row tiles [t0, t1): the microkernel per row tile (pair), its stores
- * queued for the next microkernel to drain. ``pair``: take row tiles two at a time (2 x 2 kernel) where
- * two are left. ``c`` holds two accumulator buffers used in turn (``*flip`` the next), so a kernel never
- * overwrites the rows still queued. */
-AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, int64_t u, int units, int64_t t0,
-                             int64_t t1, int pair, float c[2][4][256], int *flip, store_queue *q) {
+/* A thread's state across its microkernels (internal, tagged like tile_config). Queued stores (the
+ * SiLU-gated projection): two accumulator buffers used in turn, so a kernel never overwrites the rows
+ * still queued, and the queue. Staged stores (every other epilogue): ``stage`` holds the float32 results
+ * of one work item (a chunk of rows x a chunk of column units), row stride ``lds``, stored by one pass
+ * after the item's tile products. */
+typedef struct gemm_state {
+    float c[2][4][256] __attribute__((aligned(64)));
+    int flip;
+    store_queue q;
+    float *stage;
+    int64_t lds;
+    int64_t ahead;     /* row tiles between this thread's consecutive items (threads x the row chunk) */
+    line_stream ls[2]; /* prefetches: x of the next item, y of this one (staged stores) */
+} gemm_state;
+
+/* Column units [u, u + units) of the item whose first unit is ``c0``, over its row tiles [t0, t1): the
+ * microkernel per row tile (pair). ``pair``: take row tiles two at a time (2 x 2 kernel) where two are
+ * left. Staged: accumulators go to the stage; queued: to the next buffer, their rows queued for the next
+ * microkernel to drain. */
+AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, int64_t u, int units, int64_t c0,
+                             int64_t t0, int64_t t1, int pair, gemm_state *st) {
     const int64_t M = a->M, KS = a->K / 32, ldxb = a->ldx * 2;
     const int silu = a->epilogue == EPI_SILU_MUL;
     const int64_t half = a->N / 32; /* EPI_SILU_MUL: column blocks of the gate half */
     const int rows = M < 16 ? (int)M : 16, nr = silu ? 2 * units : units;
+    store_queue *q = &st->q;
     const uint16_t *b[4];
     for (int j = 0; j < units; j++) {
         b[j] = a->packed + (u + j) * KS * TILE_ELEMS;
@@ -384,21 +471,30 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
     for (int64_t t = t0; t < t1;) {
         int skip0, skip1;
         int64_t m0 = sg_row_tile_start(t, M, &skip0);
-        float (*cb)[256] = c[*flip];
-        *flip ^= 1;
+        float (*cb)[256] = st->c[st->flip];
+        tile_dst d = {cb[0], 512, 256, 16, NULL, NULL, 0}; /* queued: cb[0], cb[1] row tile m0; cb[2], cb[3] m1 */
+        if (st->stage)
+            d = (tile_dst){st->stage + (t - t0) * 16 * st->lds + 16 * (u - c0), 16 * st->lds, 16, st->lds, NULL, NULL, 0};
+        else
+            st->flip ^= 1;
         if (pair && t + 1 < t1) {
             int64_t m1 = sg_row_tile_start(t + 1, M, &skip1);
-            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, cb, p, q);
-            for (int j = 0; j < units; j++) {
+            if (!st->stage) {
+                const int64_t esz = a->ydt == AMX_DT_F32 ? 4 : 2;
+                d.out0 = (const char *)a->y + (m0 * a->ldy + 16 * u) * esz;
+                d.out1 = (const char *)a->y + (m1 * a->ldy + 16 * u) * esz;
+                d.ldo = a->ldy * esz;
+            }
+            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, &d, p, q, st->ls);
+            for (int j = 0; j < units && !st->stage; j++) {
                 int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
-                /* cb[0], cb[1]: row tile m0, blocks 0 and 1; cb[2], cb[3]: row tile m1. */
                 queue_push(q, cb[j], silu ? cb[1] : NULL, skip0, 16, m0, col, col, bu);
                 queue_push(q, cb[2 + j], silu ? cb[3] : NULL, skip1, 16, m1, col, col, bu);
             }
             t += 2;
         } else {
-            kernel_1x(a->x + m0 * a->ldx, ldxb, b, nr, KS, cb, p, q);
-            for (int j = 0; j < units; j++) {
+            kernel_1x(a->x + m0 * a->ldx, ldxb, b, nr, KS, &d, p, q);
+            for (int j = 0; j < units && !st->stage; j++) {
                 int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
                 queue_push(q, cb[j], silu ? cb[units + j] : NULL, skip0, rows, m0, col, col, bu);
             }
@@ -407,36 +503,61 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
     }
 }
 
-/* One thread's share: column units [u0, u1) (a unit is a 16-column block, or for EPI_SILU_MUL a pair
- * gate block j / up block j) over every row. */
-AMX_TARGET static void gemm_share(const sg_amx_linear_args *a, const store_plan *p, int64_t u0, int64_t u1) {
-    const int64_t M = a->M, K = a->K, MT = (M + 15) / 16;
-    const int silu = a->epilogue == EPI_SILU_MUL;
-    float c[2][4][256] __attribute__((aligned(64)));
-    store_queue q = {.n = 0};
-    int flip = 0;
-    /* Cache blocking: a chunk of the weight's column units (~L2_W_BYTES) is reused from L2 across every
-     * chunk of rows (~L2_X_BYTES of x), and that chunk of x across the chunk's column panels. */
-    const int64_t unit_bytes = K * 32 * (silu ? 2 : 1);
-    int64_t nc = L2_W_BYTES / unit_bytes / 4 * 4, mc = L2_X_BYTES / (K * 32) / 2 * 2;
-    if (nc < 4) nc = 4;
-    if (mc < 2) mc = 2;
-    for (int64_t c0 = u0; c0 < u1; c0 += nc) {
-        int64_t c1 = c0 + nc < u1 ? c0 + nc : u1;
-        for (int64_t t0 = 0; t0 < MT; t0 += mc) {
-            int64_t t1 = t0 + mc < MT ? t0 + mc : MT;
-            /* Pairs of row tiles take panels of 2 column blocks; a chunk of one row tile takes 4. */
-            int pair = t1 - t0 >= 2;
-            int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
-            for (int64_t u = c0; u < c1; u += per)
-                panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), t0, t1, pair, c, &flip, &q);
+/* Staged: the stage's results of row tiles [t0, t1) and column units [c0, c1) to y, row by row through
+ * store_row (the queued path's epilogue, so both round alike). */
+static void store_stage(const sg_amx_linear_args *a, const store_plan *p, const gemm_state *st, int64_t t0,
+                        int64_t t1, int64_t c0, int64_t c1) {
+    const int rows = a->M < 16 ? (int)a->M : 16;
+    for (int64_t t = t0; t < t1; t++) {
+        int skip;
+        const int64_t m0 = sg_row_tile_start(t, a->M, &skip);
+        for (int r = skip; r < rows; r++) {
+            const float *row = st->stage + ((t - t0) * 16 + r) * st->lds;
+            for (int64_t u = c0; u < c1; u++)
+                store_row(p, row + 16 * (u - c0), NULL, 0, m0 + r, 16 * u, 16 * u, 0);
         }
     }
-    queue_drain(p, &q, 1 << 30); /* the last microkernel's rows */
 }
 
-/* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE, or
- * ERR_NO_AMX where sg_amx_granted() is 0. */
+/* One work item: column units [c0, c1) (a unit is a 16-column block, or for EPI_SILU_MUL a pair gate
+ * block j / up block j) over row tiles [t0, t1), in panels of 2 column blocks over row-tile pairs (4
+ * blocks where the item has a single row tile). */
+AMX_TARGET static void gemm_item(const sg_amx_linear_args *a, const store_plan *p, int64_t c0, int64_t c1,
+                                 int64_t t0, int64_t t1, gemm_state *st) {
+    const int silu = a->epilogue == EPI_SILU_MUL, pair = t1 - t0 >= 2;
+    const int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
+    /* Prefetches spread over the item's K steps: the rows of x this thread likely takes next (items go
+     * column chunk first) into L2, and for staged stores the item's own rows of y (read by the residual
+     * epilogue, written by all), so that neither the next item's first panel nor the store pass waits
+     * on memory. */
+    const int64_t steps = (c1 - c0 + per - 1) / per * ((t1 - t0) / 2) * (a->K / 32);
+    const int64_t r0 = 16 * (t0 + st->ahead), r1 = 16 * (t1 + st->ahead) < a->M ? 16 * (t1 + st->ahead) : a->M;
+    stream_start(&st->ls[0], r1 > r0 ? a->x + r0 * a->ldx : a->x, a->ldx * 2, a->K * 2, r1 - r0, steps);
+    const int64_t esz = a->ydt == AMX_DT_F32 ? 4 : 2, y0 = 16 * t0, y1 = 16 * t1 < a->M ? 16 * t1 : a->M;
+    stream_start(&st->ls[1], (const char *)a->y + (y0 * a->ldy + 16 * c0) * esz, a->ldy * esz,
+                 (c1 - c0) * 16 * esz, st->stage ? y1 - y0 : 0, steps);
+    for (int64_t u = c0; u < c1; u += per)
+        panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), c0, t0, t1, pair, st);
+    if (st->stage) store_stage(a, p, st, t0, t1, c0, c1);
+}
+
+/* A float32 buffer of at least ``n`` values for this thread, kept between calls (OpenMP's threads
+ * persist, and a fresh ~350 KiB buffer per call would cost its page faults every time); NULL when
+ * memory is short. */
+static float *thread_stage(int64_t n) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (n > cap) {
+        free(buf);
+        cap = (n + 1023) / 1024 * 1024;
+        buf = (float *)aligned_alloc(64, (size_t)cap * sizeof(float));
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
+
+/* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE,
+ * ERR_NOMEM (no stage buffer), or ERR_NO_AMX where sg_amx_granted() is 0. */
 AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
     if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
     if (!sg_amx_granted()) return AMX_ERR_NO_AMX;
@@ -447,18 +568,52 @@ AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
     if (a->ydt != AMX_DT_F32 && a->ydt != AMX_DT_BF16) return AMX_ERR_SHAPE;
     if (a->ldy < (silu ? N / 2 : N)) return AMX_ERR_SHAPE;
     store_plan p = {epi, a->ydt, a->ldy, a->y, a->bias};
-    const int64_t units = silu ? N / 32 : N / 16;
+    const int64_t units = silu ? N / 32 : N / 16, MT = (M + 15) / 16;
     const int rows = M < 16 ? (int)M : 16;
+    /* Cache blocking: an item's chunk of the weight's column units (<= ~L2_W_BYTES) is reused from L2
+     * across its chunk of rows (~L2_X_BYTES of x), and that chunk of x across the item's panels. */
+    const int64_t unit_bytes = K * 32 * (silu ? 2 : 1);
+    int64_t nc = L2_W_BYTES / unit_bytes / 4 * 4, mc = L2_X_BYTES / (K * 32) / 2 * 2;
+    if (nc < 4) nc = 4;
+    if (mc < 2) mc = 2;
+    const int64_t row_chunks = (MT + mc - 1) / mc;
     int threads = omp_get_max_threads();
-    if (threads > units) threads = (int)units;
+    /* At least ~4 items per thread where the columns allow (fewer column units per item then): threads
+     * take items as they free up, so one descheduled by the machine's other tenants delays its item, not
+     * half the call (a static split of the columns waited for it). */
+    int64_t col_chunks = (units + nc - 1) / nc, want = 4 * (int64_t)threads;
+    if (col_chunks * row_chunks < want) col_chunks = (want + row_chunks - 1) / row_chunks;
+    if (col_chunks > units) col_chunks = units;
+    const int64_t cw = (units + col_chunks - 1) / col_chunks; /* units per item */
+    col_chunks = (units + cw - 1) / cw;
+    const int64_t items = col_chunks * row_chunks;
+    if (threads > items) threads = (int)items;
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        gemm_state st;
+        st.flip = 0;
+        st.q.n = st.q.at = st.q.row = 0;
+        st.lds = cw * 16;
+        st.ahead = mc * omp_get_num_threads();
+        st.ls[0].rows = st.ls[1].rows = 0;
+        st.stage = silu ? NULL : thread_stage(mc * 16 * st.lds);
+        if (!silu && !st.stage) {
+#pragma omp atomic write
+            failed = 1;
+        }
         configure_tiles(rows);
-        gemm_share(a, &p, units * t / nt, units * (t + 1) / nt);
+        /* Column chunk major: threads share a chunk of the weight, each with its own chunk of rows. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!silu && !st.stage) continue;
+            const int64_t c0 = it / row_chunks * cw, t0 = it % row_chunks * mc;
+            gemm_item(a, &p, c0, c0 + cw < units ? c0 + cw : units, t0, t0 + mc < MT ? t0 + mc : MT, &st);
+        }
+        queue_drain(&p, &st.q, 1 << 30); /* the last queued microkernel's rows */
         _tile_release();
     }
-    return AMX_OK;
+    return failed ? AMX_ERR_NOMEM : AMX_OK;
 }
 
 /* ---- peak ------------------------------------------------------------------------------------- */
