@@ -42,6 +42,20 @@ def _gib(text: str) -> float:
     return value
 
 
+def _cost_tokens(text: str) -> int | str:
+    """``--attention-cost-tokens``: an integer >= 0 (0: off), or ``auto`` (K sized from the step profile
+    with an automatic budget, by ``serve``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'auto', got {value}")
+    return value
+
+
 def _budget(text: str) -> int | str:
     """``--max-num-batched-tokens``: an integer >= 1, or ``auto`` (sized from the step profile by the
     commands that support it: ``serve``, ``simulate``)."""
@@ -183,6 +197,11 @@ class EngineArgs:
                 "--max-num-batched-tokens auto is sized from the step profile by `segserve serve` and "
                 "`segserve simulate`; give a number here"
             )
+        if given["attention_cost_tokens"] == "auto":
+            raise ValueError(
+                "--attention-cost-tokens auto is sized from the step profile by `segserve serve` with "
+                "--max-num-batched-tokens auto; give a number here"
+            )
         return cls(**given)
 
 
@@ -236,8 +255,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "attention_cost_tokens",
         dict(
-            type=int,
-            help="charge chunks n + n*(prior+n)/K against a per-step cost budget (K; 0: token budget only)",
+            type=_cost_tokens,
+            help="charge chunks n + n*(prior+n)/K against a per-step cost budget (K; 0: token budget only; "
+            "auto: K from the step profile, serve with an automatic budget)",
         ),
     ),
     ("seed", dict(type=int)),

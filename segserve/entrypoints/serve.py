@@ -74,9 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     scale_out.add_cli_args(srv)
     # The server sizes its budget for --target-itl-ms; offline use (LLM, generate) keeps 512.
-    # --attention-cost-tokens left out: sized with an automatic budget (``budget.auto_attention_cost``),
-    # else 0 (off); a number, 0 included, wins.
-    srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO, attention_cost_tokens=None)
+    # --attention-cost-tokens stays 0 (off) unless given; ``auto`` sizes K with an automatic budget
+    # (``budget.attention_cost_for``).
+    srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -105,6 +105,8 @@ def run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     auto = args.max_num_batched_tokens == AUTO
     given = None if auto else settle_budget(args, None)  # a bad number fails before any calibration
+    if given is not None and args.attention_cost_tokens == AUTO:
+        budget.attention_cost_for(AUTO, given)  # raises, naming both flags, before any model work
     choice = _step_profile(args)
     settled = given or settle_budget(args, choice)
     args.max_num_batched_tokens = settled.budget

@@ -150,9 +150,23 @@ def settle_budget(
     return BudgetChoice(value, False, math.nan, math.nan, f"max_num_batched_tokens = {value} (given)")
 
 
-def attention_cost_for(given: int | None, settled: BudgetChoice) -> int:
-    """``--attention-cost-tokens`` of ``segserve serve``: a number given (0 included) wins; left out,
-    the K sized with an automatic budget (``settled.attention_cost_tokens``), else 0 (off)."""
-    if given is not None:
-        return given
-    return settled.attention_cost_tokens if settled.auto else 0
+def attention_cost_for(given: int | str, settled: BudgetChoice) -> int:
+    """``--attention-cost-tokens`` of ``segserve serve``: a number as given (0, the default: off), or
+    ``auto``: the K sized with an automatic budget (``settled.attention_cost_tokens``).
+
+    Off by default: on this machine's bfloat16 profile (K = 2,209 at budget 512) the weighted budget
+    cut the stall scenario's max ITL (411-903 vs 602-1,419 ms) but slowed the shared-prefix workload's
+    TTFT p50 3.6x (1,802 vs 501 ms) and the long prompt's TTFT (`benchmarks/vs_vllm.py --only
+    prefix,stall --engines segserve`, 2026-12-02, docs/perf.md "Serving").
+
+    Raises:
+        ValueError: ``auto`` with a given budget, naming both flags.
+    """
+    if given != "auto":
+        return int(given)
+    if not settled.auto:
+        raise ValueError(
+            f"--attention-cost-tokens auto is sized with --max-num-batched-tokens auto, not with a given "
+            f"budget ({settled.budget}); give K as a number"
+        )
+    return settled.attention_cost_tokens

@@ -61,12 +61,33 @@ def test_auto_attention_cost_is_the_row_cost_over_the_attention_cost():
     choice = auto_budget(model, 0.4, 16, 256, 8192)
     assert choice.attention_cost_tokens == 2209 and "attention cost K = 2209 tokens" in choice.line
     assert auto_attention_cost(ROWS) == 0 and auto_budget(ROWS, 0.4, 16, 256, 8192).attention_cost_tokens == 0
-    # segserve serve: left out, K comes with an automatic budget only; a number, 0 included, wins.
+    # segserve serve: off unless given; auto takes K from an automatic budget; a number wins.
     given = settle_budget(512, model, 400, 16, 256, 8192)
-    assert (attention_cost_for(None, choice), attention_cost_for(None, given)) == (2209, 0)
-    assert (attention_cost_for(0, choice), attention_cost_for(1000, given)) == (0, 1000)
-    assert build_parser().parse_args(["serve"]).attention_cost_tokens is None
-    assert build_parser().parse_args(["generate"]).attention_cost_tokens == 0
+    assert (attention_cost_for("auto", choice), attention_cost_for(0, choice)) == (2209, 0)
+    assert attention_cost_for(1000, given) == 1000
+    with pytest.raises(ValueError, match=r"--attention-cost-tokens auto is sized with "
+                       r"--max-num-batched-tokens auto, not with a given budget \(512\)"):
+        attention_cost_for("auto", given)
+    parse = build_parser().parse_args
+    assert parse(["serve"]).attention_cost_tokens == 0 and parse(["generate"]).attention_cost_tokens == 0
+    assert parse(["serve", "--attention-cost-tokens", "AUTO"]).attention_cost_tokens == "auto"
+
+
+@pytest.mark.parametrize("bad", ["-1", "outo", "1.5"])
+def test_a_bad_attention_cost_fails_at_parse_naming_the_flag(bad, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-cost-tokens", bad])
+    err = capsys.readouterr().err
+    assert "--attention-cost-tokens" in err and "must be an integer >= 0 or 'auto'" in err and bad in err
+
+
+def test_attention_cost_auto_is_refused_outside_serve():
+    from segserve.engine_args import EngineArgs
+
+    args = build_parser().parse_args(["generate", "--attention-cost-tokens", "auto"])
+    with pytest.raises(ValueError, match="--attention-cost-tokens auto is sized from the step profile by "
+                       "`segserve serve`"):
+        EngineArgs.from_cli_args(args)
 
 
 def test_auto_budget_counts_decodes_and_the_chunk_attention():
