@@ -42,32 +42,33 @@ def _gib(text: str) -> float:
     return value
 
 
-def _cost_tokens(text: str) -> int | str:
-    """``--attention-cost-tokens``: an integer >= 0 (0: off), or ``auto`` (K sized from the step profile
-    with an automatic budget, by ``serve``)."""
+def _int_or_auto(text: str, minimum: int) -> int | str:
+    """``auto``, or an integer >= ``minimum``.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value and the limit.
+    """
     if text.strip().lower() == "auto":
         return "auto"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 or 'auto', got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum} or 'auto', got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum} or 'auto', got {value}")
     return value
+
+
+def _cost_tokens(text: str) -> int | str:
+    """``--attention-cost-tokens``: an integer >= 0 (0: off), or ``auto`` (K sized from the step profile
+    with an automatic budget, by ``serve``)."""
+    return _int_or_auto(text, 0)
 
 
 def _budget(text: str) -> int | str:
     """``--max-num-batched-tokens``: an integer >= 1, or ``auto`` (sized from the step profile by the
     commands that support it: ``serve``, ``simulate``)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {value}")
-    return value
+    return _int_or_auto(text, 1)
 
 
 @dataclass(frozen=True)
