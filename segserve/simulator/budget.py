@@ -108,7 +108,7 @@ def auto_budget(
     )
     k = auto_attention_cost(model)
     if k:
-        line += f"; attention cost K = {k} tokens (later chunks of long prompts shrink to fit)"
+        line += f"; attention cost K = {k} tokens with --attention-cost-tokens auto (off by default)"
     return BudgetChoice(best, True, best_t, target_s, line, k)
 
 
