@@ -887,9 +887,7 @@ def serve_tpot(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -
     tpots = []
     for rep in range(3):
         prompt = random_ids(256, args.seed + 4000 + rep, args.vocab_size)
-        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": args.tpot_output_len,
-                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        body = sc.completion_body(SERVED_NAME, prompt, args.tpot_output_len)
         t = sc.stream_one_blocking(f"{base}/v1/completions", body, time.perf_counter())
         if not t.ok:
             raise RuntimeError(f"streamed request failed: {t.error}")

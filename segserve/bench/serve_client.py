@@ -21,6 +21,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,13 @@ def stream_one_blocking(url: str, body: dict, t0: float, timeout_s: float = 600.
     return timing
 
 
+def completion_body(model: str, prompt_token_ids: Sequence[int], max_tokens: int) -> dict:
+    """The benchmark's streamed ``/v1/completions`` request: token ids in, greedy, exactly
+    ``max_tokens`` tokens (``ignore_eos``), a final usage chunk (vLLM ``bench serve``'s request)."""
+    return {"model": model, "prompt": list(prompt_token_ids), "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
 async def run_serve(
     base_url: str,
     requests: list[BenchRequest],
@@ -206,11 +214,7 @@ async def run_serve(
 
         async def send(req: BenchRequest, timing: RequestTiming) -> None:
             await asyncio.sleep(max(0.0, timing.sent - (time.perf_counter() - t0)))
-            body = {
-                "model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
-                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = completion_body(model, req.prompt_token_ids, req.output_len)
             if limit is None:
                 await _stream_one(client, f"{base}/v1/completions", body, timing, t0)
             else:
