@@ -161,6 +161,12 @@ class SegserveRates:
         return {"tg128": 128 / (tn - t1), "pp512": 512 / self._timed(self.long, 1)}
 
 
+def summarize_reps(reps: list[dict]) -> dict:
+    """Each goal's median tok/s over ``reps`` and, as ``<test>_runs``, every repetition's."""
+    out = {t: statistics.median(r[t] for r in reps) for t in GOALS}
+    return out | {f"{t}_runs": [r[t] for r in reps] for t in GOALS}
+
+
 def interleaved(ours: SegserveRates, bindir: Path, model: Path, threads: int,
                 repeats: int) -> tuple[dict, dict]:
     """``repeats`` rounds of one segserve repetition and one ``llama-bench -r 1``, the order alternating
@@ -177,8 +183,7 @@ def interleaved(ours: SegserveRates, bindir: Path, model: Path, threads: int,
     after = load_average()
     out = []
     for engine in ("segserve", "llama.cpp"):
-        entry = {t: statistics.median(run[t] for run in runs[engine]) for t in GOALS}
-        entry |= {f"{t}_runs": [run[t] for run in runs[engine]] for t in GOALS}
+        entry = summarize_reps(runs[engine])
         entry |= {"load_before": before, "load_after": after}
         out.append(entry)
     out[0] |= {"dtype": ours.dtype, "quantization": ours.quantization}
@@ -251,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 int8_rates = SegserveRates(path, args.threads, args.dtype, None)
                 reps = [int8_rates.rep() for _ in range(args.repeats)]
-                int8 = {t: statistics.median(r[t] for r in reps) for t in GOALS}
-                entry["segserve_int8"] = int8 | {f"{t}_runs": [r[t] for r in reps] for t in GOALS}
+                int8 = entry["segserve_int8"] = summarize_reps(reps)
             finally:
                 quant.set_int8(previous)
             for test in GOALS:
