@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from segserve.bench.host import cpu_times, steal_share
+
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces" / "azure2023_conv.csv"
 FITTED_ROWS = range(6000, 6060)  # docs/profiles/cpu_2core_fp32_replay*.json were fitted on these
 METRICS = (
@@ -83,10 +85,11 @@ def run_slice(args, offset: int, out: Path) -> dict:
         "--max-output-len", str(args.max_output_len), "--max-num-batched-tokens", str(args.budget),
         "--compare-real", "--output-json", str(out),
     ] + (["--profile", args.profile] if args.profile else [])
-    load = os.getloadavg()[0]
+    load, ticks = os.getloadavg()[0], cpu_times()
     if main(argv) != 0:
         raise SystemExit(f"simulate failed on slice {offset}")
-    return json.loads(out.read_text()) | {"load_average": [load, os.getloadavg()[0]]}
+    return json.loads(out.read_text()) | {"load_average": [load, os.getloadavg()[0]],
+                                          "steal": steal_share(ticks, cpu_times())}
 
 
 def main() -> int:
@@ -158,6 +161,10 @@ def table(results: dict[int, list[dict]]) -> str:
     for runs in results.values():
         loads += ["; ".join(f"{r['load_average'][0]:.1f} -> {r['load_average'][1]:.1f}" for r in runs), ""]
     lines.append("| 1-min load average (each run) | " + " | ".join(loads) + " | |")
+    steals = []
+    for runs in results.values():
+        steals += ["; ".join("?" if r.get("steal") is None else f"{100 * r['steal']:.1f}" for r in runs), ""]
+    lines.append("| host steal, % of CPU time (each run) | " + " | ".join(steals) + " | |")
     return "\n".join(lines)
 
 

@@ -42,6 +42,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from segserve.bench.host import cpu_times, steal_share
+
 LLAMA_CPP_PYTHON = "0.3.36"
 DEFAULT_CACHE = Path.home() / ".cache" / "segserve" / "baselines" / f"llama.cpp-{LLAMA_CPP_PYTHON}"
 GOALS = {"tg128": 1.2, "pp512": 1.0}
@@ -167,24 +169,32 @@ def summarize_reps(reps: list[dict]) -> dict:
     return out | {f"{t}_runs": [r[t] for r in reps] for t in GOALS}
 
 
+def steal_text(shares: list[float | None]) -> str:
+    """``shares`` as percentages, e.g. ``"0 / 3 / 12 %"`` (``?`` where /proc/stat was unreadable)."""
+    return " / ".join("?" if x is None else f"{100 * x:.0f}" for x in shares) + " %"
+
+
 def interleaved(ours: SegserveRates, bindir: Path, model: Path, threads: int,
                 repeats: int) -> tuple[dict, dict]:
     """``repeats`` rounds of one segserve repetition and one ``llama-bench -r 1``, the order alternating
     round by round (ABBA...), so a slow phase of the shared host falls on both engines alike.
 
-    Returns (segserve, llama.cpp) dicts of medians, the per-round runs and the load around them."""
+    Returns (segserve, llama.cpp) dicts of medians, the per-round runs, the load around them and each
+    run's share of CPU time stolen by the hypervisor (``steal_runs``, see ``segserve.bench.host``)."""
     runs: dict[str, list[dict]] = {"segserve": [], "llama.cpp": []}
     before = load_average()
     for r in range(repeats):
         order = ("segserve", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "segserve")
         for engine in order:
+            t0 = cpu_times()
             run = ours.rep() if engine == "segserve" else llama_bench(bindir, model, threads, 1)
-            runs[engine].append(run)
+            runs[engine].append(run | {"steal": steal_share(t0, cpu_times())})
     after = load_average()
     out = []
     for engine in ("segserve", "llama.cpp"):
         entry = summarize_reps(runs[engine])
-        entry |= {"load_before": before, "load_after": after}
+        steals = [r["steal"] for r in runs[engine]]
+        entry |= {"load_before": before, "load_after": after, "steal_runs": steals}
         out.append(entry)
     out[0] |= {"dtype": ours.dtype, "quantization": ours.quantization}
     out[1]["command"] = runs["llama.cpp"][0]["command"]
@@ -249,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "PASS" if ratio >= goal else "FAIL"
             lines.append(f"{label} {test}: segserve {ours[test]:.1f} tok/s vs llama.cpp {theirs[test]:.1f} "
                          f"tok/s = {ratio:.2f}x (goal >= {goal}) {verdict}")
+        lines.append(f"{label} host steal per round (share of CPU time, vmstat's st): segserve "
+                     f"{steal_text(ours['steal_runs'])}; llama.cpp {steal_text(theirs['steal_runs'])}")
         if args.int8:
             from segserve.kernels import quant
 

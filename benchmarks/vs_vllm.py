@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from segserve.bench.host import cpu_times, steal_share
+
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).resolve().with_name("vs_vllm_driver.py")
 VLLM_VERSION = "0.32.0"
@@ -984,19 +986,23 @@ def wait_quiet(max_load: float | None, max_wait_s: float) -> bool:
 def run_unit(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path) -> None:
     print(f"== {unit.engine} {unit.dtype} {unit.group}: {','.join(unit.workloads)} "
           f"(~{estimate_s(unit, args) / 60:.0f} min) load {load_avg()}", flush=True)
-    before, t0 = load_avg(), time.perf_counter()
+    before, t0, ticks = load_avg(), time.perf_counter(), cpu_times()
     if unit.group == "offline":
         out = {k: {"load_before": before} | v for k, v in run_offline(unit, args, record).items()}
         for k, v in out.items():
             print(f"  {unit.engine} {unit.dtype} {k}: {brief(k, v)}", flush=True)
     else:
         out = run_server(unit, args, record, log_dir)
-    after = load_avg()
+    after, steal = load_avg(), steal_share(ticks, cpu_times())
     for v in out.values():
         v.setdefault("load_after", after)
     record["results"].setdefault(unit.engine, {}).setdefault(unit.dtype, {}).update(out)
-    record["runs"].append(asdict(unit) | {"load_before": before, "load_after": after,
+    # Steal: the share of CPU time the hypervisor gave to others over the whole unit (segserve.bench.host).
+    record["runs"].append(asdict(unit) | {"load_before": before, "load_after": after, "steal": steal,
                                           "seconds": time.perf_counter() - t0, "got": sorted(out)})
+    if steal is not None:
+        print(f"  {unit.engine} {unit.dtype} {unit.group}: host steal {100 * steal:.1f} % of CPU time",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

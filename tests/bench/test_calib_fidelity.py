@@ -46,3 +46,9 @@ def test_the_table_prints_real_over_real_beside_sim_over_real():
     # One run: no real / real to show.
     single = cf.table({4024: [_run(100.0)]})
     assert "| median_ttft_ms | 1.000 (100, 100) | - | ±10% |" in single
+
+
+def test_the_table_prints_each_runs_host_steal_and_a_question_mark_where_unknown():
+    runs = [_run(100.0) | {"steal": 0.021}, _run(110.0) | {"steal": None}]
+    table = cf.table({4024: runs})
+    assert "| host steal, % of CPU time (each run) | 2.1; ? |  | |" in table

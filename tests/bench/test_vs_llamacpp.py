@@ -21,3 +21,7 @@ def test_llama_bench_json_gives_pp512_and_tg128():
 def test_goals_are_the_issues():
     assert vs_llamacpp.GOALS == {"tg128": 1.2, "pp512": 1.0}
     assert vs_llamacpp.WEIGHT_GOAL_MB == 120.0
+
+
+def test_steal_text_gives_percentages_and_a_question_mark_where_unknown():
+    assert vs_llamacpp.steal_text([0.0, 0.034, None, 0.125]) == "0 / 3 / ? / 12 %"
