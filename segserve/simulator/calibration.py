@@ -34,7 +34,8 @@ from segserve.simulator.step_model import (
 )
 
 # Bumped when the cached file's layout or the step model's features change: older files are refused.
-SCHEMA_VERSION = 3  # 2: distinct-context and mixed probes, reference timing (issue 18); 3: decode_stack_rows
+SCHEMA_VERSION = 4  # 2: distinct-context and mixed probes, reference timing (issue 18); 3: decode_stack_rows;
+# 4: the decode-only table (stack_base, stack_ctx)
 
 
 class ProfileError(ValueError):

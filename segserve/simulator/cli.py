@@ -481,8 +481,9 @@ def run_profile(args: argparse.Namespace) -> int:
             data = {"samples": samples_to_json(samples), "model": asdict_shape(shape),
                     "decode_gathers": decode_gathers}
             Path(args.samples_out).write_text(json.dumps(data), encoding="utf-8")
+    source = f"segserve profile ({len(samples)} steps)"
     fitted, stats = fit_linear(
-        samples, model=shape, source=f"segserve profile ({len(samples)} steps)", decode_gathers=decode_gathers
+        samples, model=shape, source=source, decode_gathers=decode_gathers, decode_table=True
     )
     save_profile(fitted, args.output, {"fit": stats})
     print(

@@ -5,6 +5,13 @@ prefill step count alike (plain least squares would fit the long steps and ignor
 set inter-token latency). Coefficients must be physical (>= 0): a negative one is clamped to 0 by
 dropping its feature and refitting, one feature at a time (an active-set method after Lawson and
 Hanson's NNLS, 1974, simplified). numpy is imported here only.
+
+With ``decode_table=True`` the decode-only steps on a compiled path get a table of their own as well
+(``LinearStepModel.stack_base``: one intercept per padded row count seen at least ``MIN_TABLE_SAMPLES``
+times, and one shared cost per context token), fitted on those steps alone in the same weighted,
+non-negative way, refitted once without the steps whose relative error exceeds both ``OUTLIER_FACTOR``
+times the median and ``OUTLIER_FLOOR`` (a slow phase of the host during calibration, not the step's
+cost); the features are then fitted to the steps the table does not cover.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ def fit_linear(
     model: ModelShape | None = None,
     source: str = "fit",
     decode_gathers: bool = True,
+    decode_table: bool = False,
 ) -> tuple[LinearStepModel, dict[str, float]]:
     """Fit coefficients over ``features`` to (composition, seconds) samples; ``decode_gathers`` (how
     the samples' engine counted ``gathered_kv``, see ``engine_decodes_gather``) is kept in the model,
-    and so is the samples' ``stack_rows`` (as ``decode_stack_rows``).
+    and so is the samples' ``stack_rows`` (as ``decode_stack_rows``); ``decode_table`` adds the
+    decode-only table (module docstring).
 
     Returns:
         (model, fit statistics: ``n``, ``mean_abs_rel_err``, ``p90_abs_rel_err``, ``max_abs_rel_err``).
@@ -53,19 +62,15 @@ def fit_linear(
     bad = ~np.isfinite(y) | (y <= 0)
     if bad.any():
         raise ValueError(f"step durations must be finite and > 0 s, got {float(y[bad][0])}")
-    active = list(range(len(cols)))
-    while True:
-        coef = _weighted_lstsq(x[:, active], y)
-        if (coef >= 0).all() or len(active) == 1:
-            break
-        active.pop(int(np.argmin(coef)))
-    full = dict.fromkeys(features, 0.0)
-    for j, c in zip(active, coef, strict=True):
-        full[features[j]] = max(float(c), 0.0)
+    base, ctx = _fit_stack(samples) if decode_table else ({}, 0.0)
+    # The features fit the steps the table leaves to them (all, when too few are left).
+    rest = np.array([not (c.compiled_decode and c.padded_tokens in base) for c, _ in samples])
+    rest = rest if rest.sum() >= len(features) else np.ones(len(samples), dtype=bool)
+    full = {f: float(c) for f, c in zip(features, _nonnegative(x[rest], y[rest]), strict=True)}
     # The samples' engine decides which steps were eager; the simulator must build its steps alike.
     stack_rows = max((c.stack_rows for c, _ in samples), default=SMALL_STEP_ROWS)
-    fitted = LinearStepModel(full, model or ModelShape(), source, decode_gathers, stack_rows)
-    rel = np.abs(x @ np.array([full[f] for f in features]) - y) / y
+    fitted = LinearStepModel(full, model or ModelShape(), source, decode_gathers, stack_rows, base, ctx)
+    rel = np.abs(np.array([fitted.predict(c) for c, _ in samples]) - y) / y
     stats = {
         "n": float(len(y)),
         "mean_abs_rel_err": float(rel.mean()),
@@ -73,6 +78,55 @@ def fit_linear(
         "max_abs_rel_err": float(rel.max()),
     }
     return fitted, stats
+
+
+MIN_TABLE_SAMPLES = 2  # a padded row count needs this many decode-only steps to get an intercept
+OUTLIER_FACTOR = 4.0
+OUTLIER_FLOOR = 0.25  # relative error below which no step counts as an outlier
+
+
+def _fit_stack(samples: Sequence[tuple[StepComposition, float]]) -> tuple[dict[int, float], float]:
+    """``stack_base`` and ``stack_ctx`` from the ``compiled_decode`` samples; ``({}, 0.0)`` when
+    there are none to fit."""
+    import numpy as np
+
+    steps = [(c, t) for c, t in samples if c.compiled_decode]
+    counts: dict[int, int] = {}
+    for c, _ in steps:
+        counts[c.padded_tokens] = counts.get(c.padded_tokens, 0) + 1
+    rows = sorted(r for r, n in counts.items() if n >= MIN_TABLE_SAMPLES)
+    steps = [(c, t) for c, t in steps if c.padded_tokens in rows]
+    if not rows or len(steps) < len(rows) + 1:
+        return {}, 0.0
+    x = np.array([[float(c.padded_tokens == r) for r in rows] + [sum(s.prior + 1 for s in c.slices)]
+                  for c, _ in steps])
+    y = np.array([t for _, t in steps])
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(2):  # the fit, then once more without the outliers of the first
+        coef = _nonnegative(x[keep], y[keep])
+        rel = np.abs(x @ coef - y) / y
+        limit = max(OUTLIER_FACTOR * float(np.median(rel)), OUTLIER_FLOOR)
+        if (rel <= limit).all():
+            break
+        keep = rel <= limit
+        if any(not (keep & (x[:, j] == 1)).any() for j in range(len(rows))):
+            break  # dropping them would leave a row count without samples: keep the first fit
+    return {r: float(v) for r, v in zip(rows, coef[:-1], strict=True)}, float(coef[-1])
+
+
+def _nonnegative(x, y):
+    """``_weighted_lstsq`` with the active-set clamp of ``fit_linear``: every coefficient >= 0."""
+    import numpy as np
+
+    active = list(range(x.shape[1]))
+    while True:
+        coef = _weighted_lstsq(x[:, active], y)
+        if (coef >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(coef)))
+    full = np.zeros(x.shape[1])
+    full[active] = np.maximum(coef, 0.0)
+    return full
 
 
 def _weighted_lstsq(x, y):

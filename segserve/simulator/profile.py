@@ -352,7 +352,9 @@ def calibrate_quick(fp, log=print, samples_out: list | None = None):
     shape = ModelShape(**model_shape_of(loaded, dtype_bytes=dtype.itemsize))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     source = f"segserve profile --quick ({len(samples)} steps, {when}, {fp.cpu_model})"
-    fitted, stats = fit_linear(samples, model=shape, source=source, decode_gathers=measured.decode_gathers)
+    fitted, stats = fit_linear(
+        samples, model=shape, source=source, decode_gathers=measured.decode_gathers, decode_table=True
+    )
     stats["by_kind"] = errors_by_kind(fitted, samples)
     stats["reference_ms"] = [1000 * t for t in measured.reference_seconds]
     stats["reference_drift"] = reference_drift(measured.reference_seconds)

@@ -82,6 +82,12 @@ class StepComposition:
         return sum(s.chunk for s in self.slices if not s.is_decode)
 
     @property
+    def compiled_decode(self) -> bool:
+        """Whether the step is decodes only (one token each) on a compiled path, not ``eager``: the
+        steps ``LinearStepModel.stack_base`` describes."""
+        return not self.eager and all(s.is_decode and s.chunk == 1 for s in self.slices)
+
+    @property
     def eager(self) -> bool:
         """Whether the step leaves the compiled small-row paths: more than ``SMALL_STEP_ROWS`` padded
         rows, unless it is decodes only within ``stack_rows``."""
@@ -140,6 +146,11 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
+def _seconds_ok(value) -> bool:
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return numeric and math.isfinite(value) and value >= 0
+
+
 @dataclass(frozen=True)
 class LinearStepModel:
     """``duration = sum(coef[f] * feature[f])`` over ``FEATURES`` (seconds).
@@ -153,6 +164,13 @@ class LinearStepModel:
             ``gathered_kv`` the same way.
         decode_stack_rows: the measured engine's ``stack_rows`` (see ``StepComposition``); the
             simulator builds its compositions with it.
+        stack_base: padded rows -> seconds of a ``compiled_decode`` step of that many rows before its
+            context; such a step takes ``stack_base[rows] + stack_ctx * context tokens`` instead of
+            the feature sum. On 2 cores a decode step's cost is not linear in its rows (2026-12-02,
+            Zen 4, Q4_1 blocks: 1 and 2 rows ~13 ms, 4 rows ~20, 8 ~40, 64 ~230), which one
+            per-row coefficient shared with prefill tokens cannot follow; padded row counts not in
+            the table (and every profile without one) use the feature sum.
+        stack_ctx: seconds per context token (prior + 1, summed over the rows) of such a step.
     """
 
     coefficients: dict[str, float]
@@ -160,6 +178,8 @@ class LinearStepModel:
     source: str = ""
     decode_gathers: bool = True
     decode_stack_rows: int = SMALL_STEP_ROWS
+    stack_base: dict[int, float] = field(default_factory=dict)
+    stack_ctx: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURES)
@@ -173,8 +193,19 @@ class LinearStepModel:
             raise ValueError(
                 f"decode_stack_rows={self.decode_stack_rows!r} must be an integer >= {SMALL_STEP_ROWS}"
             )
+        top = self.decode_stack_rows
+        for rows, seconds in self.stack_base.items():
+            if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= top:
+                raise ValueError(f"stack_base rows {rows!r} must be an integer in [1, {top}]")
+            if not _seconds_ok(seconds):
+                raise ValueError(f"stack_base[{rows}]={seconds!r} must be a finite number of seconds >= 0")
+        if not _seconds_ok(self.stack_ctx):
+            raise ValueError(f"stack_ctx={self.stack_ctx!r} must be a finite number >= 0")
 
     def predict(self, comp: StepComposition) -> float:
+        base = self.stack_base.get(comp.padded_tokens) if self.stack_base and comp.compiled_decode else None
+        if base is not None:
+            return base + self.stack_ctx * sum(s.prior + 1 for s in comp.slices)
         return sum(self.coefficients.get(n, 0.0) * x for n, x in zip(FEATURES, comp.features(), strict=True))
 
     def to_dict(self) -> dict:
@@ -185,6 +216,8 @@ class LinearStepModel:
             "source": self.source,
             "decode_gathers": self.decode_gathers,
             "decode_stack_rows": self.decode_stack_rows,
+            "stack_base": {str(rows): seconds for rows, seconds in sorted(self.stack_base.items())},
+            "stack_ctx": self.stack_ctx,
         }
 
 
@@ -277,7 +310,8 @@ def model_from_dict(data: dict) -> StepTimeModel:
     if kind == "linear":
         return LinearStepModel(
             dict(data["coefficients"]), shape, data.get("source", ""), bool(data.get("decode_gathers", True)),
-            int(data.get("decode_stack_rows", SMALL_STEP_ROWS)),
+            int(data.get("decode_stack_rows", SMALL_STEP_ROWS)), _stack_base(data.get("stack_base", {})),
+            data.get("stack_ctx", 0.0),
         )
     if kind == "roofline":
         return RooflineStepModel(
@@ -289,6 +323,18 @@ def model_from_dict(data: dict) -> StepTimeModel:
             data.get("source", ""),
         )
     raise ValueError(f"profile kind must be 'linear' or 'roofline', got {kind!r}")
+
+
+def _stack_base(data) -> dict[int, float]:
+    """``stack_base`` from JSON (row counts are object keys, so strings there)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"stack_base must be an object of row count -> seconds, got {data!r}")
+    out = {}
+    for key, seconds in data.items():
+        if not str(key).isdigit():
+            raise ValueError(f"stack_base row count {key!r} is not a positive integer")
+        out[int(key)] = seconds
+    return out
 
 
 def load_profile(path: str | Path) -> StepTimeModel:
