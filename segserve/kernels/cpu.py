@@ -45,6 +45,12 @@ MAX_DECODE_STACK_ROWS_BLOCKS = {torch.float32: 64, torch.bfloat16: 8}
 # docs/perf.md): the stack beats forward_chunk at every batch of 9-64 rows (and, from 2 rows, the
 # stack's own vdpbf16ps register tiles: cpu_step.AMX_STACK_MIN_ROWS).
 MAX_DECODE_STACK_ROWS_AMX = {torch.bfloat16: 64}
+# Most rows a decode-only step of a dense model without AMX tile copies may have to run as one call, its
+# projections as the compiled register tiles (each weight tile streamed once for all rows). Measured per
+# step, interleaved in one process (the bf16 export, 200-token prompts, 2 threads, AMD EPYC Zen 4, no AMX,
+# load 1.1, 2026-12-02): stack vs forward_chunk's oneDNN GEMMs 45.0 vs 58.4 ms at 16 rows, 73.2 vs 109.3
+# at 32, 155.6 vs 197.7 at 64, so 64 in bfloat16; float32 stays at 8 (66.2 vs 69.6 ms at 16 rows, above).
+MAX_DECODE_STACK_ROWS_DENSE = {torch.float32: 8, torch.bfloat16: 64}
 
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")

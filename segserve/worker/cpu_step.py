@@ -4,8 +4,9 @@ The model (``segserve.models.llama``) is plain PyTorch; :class:`CpuStep` reads i
 per step, when the compiled CPU kernels (``segserve.kernels.cpu``, float32/bfloat16 on an AVX-512 CPU)
 are switched on and every projection has a shape they take:
 
-- a decode-only step (one row per request, at most ``MAX_SMALL_ROWS`` rows, or for GGUF-block models
-  ``MAX_DECODE_STACK_ROWS_BLOCKS``, or for dense bfloat16 models with AMX ``MAX_DECODE_STACK_ROWS_AMX``)
+- a decode-only step (one row per request, at most ``MAX_DECODE_STACK_ROWS_DENSE`` rows, or for
+  GGUF-block models ``MAX_DECODE_STACK_ROWS_BLOCKS``, or for dense bfloat16 models with AMX
+  ``MAX_DECODE_STACK_ROWS_AMX``)
   over the segmented backend: every layer in one C call (``DecodeStack``), from ``AMX_STACK_MIN_ROWS``
   rows of a dense bfloat16 model with its projections as AMX tile products of the prepacked weights;
 - any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
@@ -206,9 +207,9 @@ class CpuStep:
         """Rows up to which a decode-only step may run the one-call decode stack:
         ``MAX_DECODE_STACK_ROWS_BLOCKS`` for a model with GGUF-block projections,
         ``MAX_DECODE_STACK_ROWS_AMX`` for a dense bfloat16 one whose AMX tile copies :meth:`prepack`
-        made (while AMX stays on), ``MAX_SMALL_ROWS`` for others, in the model's activation dtype (0 for
-        a dtype the kernels do not take). The simulator's ``eager_step`` feature follows it
-        (``StepComposition.stack_rows``)."""
+        made (while AMX stays on), ``MAX_DECODE_STACK_ROWS_DENSE`` for other dense ones, in the model's
+        activation dtype (0 for a dtype the kernels do not take). The simulator's ``eager_step`` feature
+        follows it (``StepComposition.stack_rows``)."""
         if self._has_blocks is None:
             self._has_blocks = any(isinstance(m, QuantLinear) for m in _linears(self.model))
         dtype = self.model.activation_dtype
@@ -217,7 +218,7 @@ class CpuStep:
         elif self._amx_fits(dtype, AMX_MIN_ROWS):
             limits = cpu_kernels.MAX_DECODE_STACK_ROWS_AMX
         else:
-            limits = cpu_kernels.MAX_SMALL_ROWS
+            limits = cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE
         return limits.get(dtype, cpu_kernels.MAX_SMALL_ROWS.get(dtype, 0))
 
     def _stack_takes(self, rows: torch.Tensor, metadata: AttentionMetadata) -> bool:

@@ -4,8 +4,8 @@ A float32 model with GGUF-block projections runs decode-only steps of up to
 ``MAX_DECODE_STACK_ROWS_BLOCKS[float32]`` rows in one ``DecodeStack`` call (its block kernel takes any
 row count), and that equals the per-layer GEMM path (``forward_chunk``) within float32 summation order
 (tolerance 1e-5 on states of magnitude ~1; observed ~1e-6). bfloat16 block models and float32 models
-without blocks keep ``forward_chunk`` there; dense bfloat16 models on AMX take the stack with AMX tile
-products (tests/unit/test_decode_stack_amx.py). Tiny Q4_1 model: 2 layers, hidden 64, 4 query / 2 KV
+without blocks keep ``forward_chunk`` there; dense bfloat16 models take the stack, with AMX tile
+products on AMX (tests/unit/test_decode_stack_amx.py), with its register tiles elsewhere. Tiny Q4_1 model: 2 layers, hidden 64, 4 query / 2 KV
 heads of dim 16; twelve decodes of 5-token prompts.
 """
 
@@ -83,4 +83,37 @@ def test_float32_block_decodes_over_eight_rows_take_the_stack_and_equal_the_gemm
 def test_bfloat16_block_decodes_over_eight_rows_keep_the_gemm_path(gguf, monkeypatch):
     assert cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS[torch.bfloat16] < N
     _, _, paths = _step(load_model(gguf, dtype=torch.bfloat16).model, monkeypatch)
+    assert paths == ["chunk"]
+
+
+def _dense(gguf, dtype):
+    return load_model(gguf, dtype=dtype, quantization="none").model
+
+
+def test_dense_bfloat16_decodes_over_eight_rows_take_the_stack_without_amx(gguf, monkeypatch):
+    # Without AMX tile copies (AMX off, as on a Zen 4), the stack's register tiles run the projections.
+    from segserve.kernels import amx
+
+    limit = cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE[torch.bfloat16]
+    assert cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] < N <= limit
+    with amx.disabled():
+        model = _dense(gguf, torch.bfloat16)
+        got, got_caches, paths = _step(model, monkeypatch)
+        assert paths == ["stack"]
+        monkeypatch.setitem(cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE, torch.bfloat16, 8)
+        want, want_caches, paths = _step(model, monkeypatch)
+    assert paths == ["chunk"]
+    # Both round every projection, norm and residual add to bfloat16 at the same points; they differ in
+    # float32 summation order, which can move a value by one bfloat16 step (2^-7 relative) and that,
+    # through the second layer, by a few: states of magnitude ~1, so 0.05 absolute, most values equal.
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0)
+    assert (got == want).float().mean() > 0.9
+    for a, b in zip(got_caches, want_caches, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0)
+    assert got.abs().sum() > 0
+
+
+def test_dense_float32_decodes_over_eight_rows_keep_the_gemm_path(gguf, monkeypatch):
+    assert cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE[torch.float32] < N
+    _, _, paths = _step(_dense(gguf, torch.float32), monkeypatch)
     assert paths == ["chunk"]
