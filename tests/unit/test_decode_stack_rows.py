@@ -5,8 +5,8 @@ A float32 model with GGUF-block projections runs decode-only steps of up to
 row count), and that equals the per-layer GEMM path (``forward_chunk``) within float32 summation order
 (tolerance 1e-5 on states of magnitude ~1; observed ~1e-6). bfloat16 block models and float32 models
 without blocks keep ``forward_chunk`` there; dense bfloat16 models take the stack, with AMX tile
-products on AMX (tests/unit/test_decode_stack_amx.py), with its register tiles elsewhere. Tiny Q4_1 model: 2 layers, hidden 64, 4 query / 2 KV
-heads of dim 16; twelve decodes of 5-token prompts.
+products on AMX (tests/unit/test_decode_stack_amx.py), with its register tiles elsewhere. Tiny Q4_1
+model: 2 layers, hidden 64, 4 query / 2 KV heads of dim 16; twelve decodes of 5-token prompts.
 """
 
 from __future__ import annotations
