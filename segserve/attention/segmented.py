@@ -32,11 +32,11 @@ With the compiled CPU kernels (``segserve.kernels.cpu``; float32/bfloat16 cache)
 form: one C call per layer walks every decode's blocks in place through the block table, one work
 item per (decode, KV head, segment), merged by log-sum-exp. It never gathers, so interleaved blocks
 cost nothing extra, and it has no per-segment dispatch; the plan then skips the decode calls.
-With them and a bfloat16 cache on a CPU with AMX (``segserve.kernels.chunk_attention``), the chunks
-too are one C call per layer: every chunk's queries walk their prior and their own tokens in place
-through the block table, ``kv_segment_size`` tokens at a time with an online softmax, Q K^T and P V on
-AMX tiles; no gather, no per-segment call, no Python-side merge. Float32 caches, and CPUs without AMX,
-keep the SDPA path above.
+With them and a bfloat16 cache (``segserve.kernels.chunk_attention``), the chunks too are one C call
+per layer: every chunk's queries walk their prior and their own tokens in place through the block
+table, ``kv_segment_size`` tokens at a time with an online softmax, Q K^T and P V on AMX tiles, or in
+AVX-512 BF16 registers on CPUs without AMX; no gather, no per-segment call, no Python-side merge.
+Float32 caches, and the kernel switched off, keep the SDPA path above.
 """
 
 from __future__ import annotations

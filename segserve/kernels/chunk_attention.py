@@ -4,8 +4,10 @@ Every chunk of a step (a request computing ``query_len >= 1`` tokens after ``pri
 to its prior tokens and causally to its own, whose K/V are already in the cache (the backend writes them
 first), read in place through the block table in ``kv_segment_size`` segments with an online softmax:
 no gathered copy of the cache, no per-segment dispatch, no log-sum-exp merge in Python. Q K^T and P V
-run on AMX tiles (bfloat16 caches on CPUs with AMX-TILE and AMX-BF16); elsewhere :func:`supports` is
-False and the caller keeps its SDPA path.
+run on AMX tiles (bfloat16 caches on CPUs with AMX-TILE and AMX-BF16) or, on CPUs without AMX, in
+AVX-512 BF16 registers (``vdpbf16ps``; every CPU the compiled library loads on has it: ``build.py``'s
+``REQUIRED_CPU_FLAGS``) over the same packed K/V blocks and the same softmax. :func:`kind` says which;
+with the kernel off :func:`supports` is False and the caller keeps its SDPA path.
 
 Numerics: P is rounded to bfloat16 for the P V product (as PyTorch's CPU flash attention does for
 bfloat16); everything else accumulates in float32. Against a float32 oracle on the same bfloat16
@@ -15,6 +17,8 @@ inputs the error is that of bfloat16 rounding (see tests/kernels/test_chunk_atte
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -36,8 +40,9 @@ class _ChunkAttentionArgs(ctypes.Structure):
     """``sg_chunk_attention_args`` (its fields are documented in the C source)."""
 
     _fields_ = [
-        ("size", _L), ("dt", _I), ("n", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("q", _P), ("ldq", _L),
-        ("out", _P), ("T", _L), ("starts", _P), ("qlens", _P), ("priors", _P), ("reqs", _P), ("cache", _P),
+        ("size", _L), ("dt", _I), ("isa", _I), ("n", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("q", _P),
+        ("ldq", _L), ("out", _P), ("T", _L), ("starts", _P), ("qlens", _P), ("priors", _P), ("reqs", _P),
+        ("cache", _P),
         ("num_blocks", _L), ("block_size", _L), ("block_table", _P), ("B", _L), ("ld_bt", _L), ("seg", _L),
         ("scale", _F),
     ]
@@ -46,11 +51,19 @@ class _ChunkAttentionArgs(ctypes.Structure):
 _ChunkAttentionArgs.SIZE = ctypes.sizeof(_ChunkAttentionArgs)
 _ARGS = {"sg_chunk_attention": _ChunkAttentionArgs}
 _ERRORS = {-2: "out of memory", -5: "argument struct of another size (the library and "
-           "chunk_attention.py disagree on its layout)", -6: "this CPU or kernel gives no AMX tiles"}
+           "chunk_attention.py disagree on its layout)", -6: "this CPU or kernel gives no AMX tiles",
+           -7: "this CPU lacks AVX-512 BF16"}
+# sg_chunk_attention_args.isa of each kind (CA_ISA_* in the C source).
+_ISA = {"amx": 1, "avx512": 2}
 
 _lib = None
 # SEGSERVE_CHUNK_ATTENTION=0 turns this kernel off (the SDPA chunk path runs); set_enabled at run time.
 _switch = Switch("SEGSERVE_CHUNK_ATTENTION")
+# SEGSERVE_CHUNK_ATTENTION_AVX512=0 turns off the AVX-512 BF16 form alone (CPUs without AMX then keep
+# the SDPA chunk path); set_avx512_enabled at run time. It does not affect the AMX form.
+_avx512_switch = Switch("SEGSERVE_CHUNK_ATTENTION_AVX512")
+# Set by forced_avx512(): the AVX-512 BF16 form runs even where AMX is ready.
+_avx512_forced = False
 
 
 def _library():
@@ -66,20 +79,50 @@ def _library():
     return _lib
 
 
+def kind() -> str | None:
+    """Which form :func:`chunk_attention` runs: ``"amx"`` where this CPU runs AMX bfloat16 tiles (Linux
+    granted the tile state; ``amx.hardware_ready`` asks, whatever the AMX GEMM's own switch says), else
+    ``"avx512"`` (AVX-512 BF16 registers) unless that form is switched off; None when this kernel or the
+    compiled kernels are off or unavailable."""
+    if not (_switch.on and cpu_kernels.enabled() and _library() is not None):
+        return None
+    if amx.hardware_ready() and not _avx512_forced:
+        return "amx"
+    return "avx512" if _avx512_switch.on else None
+
+
 def available() -> bool:
-    """Whether this kernel and the compiled kernels are on and this CPU runs AMX bfloat16 tiles (Linux
-    granted the tile state; ``amx.hardware_ready`` asks, whatever the AMX GEMM's own switch says)."""
-    return _switch.on and cpu_kernels.enabled() and _library() is not None and amx.hardware_ready()
+    """Whether :func:`chunk_attention` runs here (:func:`kind` is not None)."""
+    return kind() is not None
 
 
 def set_enabled(flag: bool) -> bool:
-    """Switch this kernel on or off for the process (benchmarks ablate with it); returns the old setting."""
+    """Switch this kernel (both forms) on or off for the process (benchmarks ablate with it); returns the
+    old setting."""
     return _switch.set(flag)
 
 
 def disabled():
     """``with disabled():`` runs the chunks through the SDPA path (the other compiled kernels stay on)."""
     return _switch.off()
+
+
+def set_avx512_enabled(flag: bool) -> bool:
+    """Switch the AVX-512 BF16 form on or off for the process (the AMX form is unaffected); returns the
+    old setting."""
+    return _avx512_switch.set(flag)
+
+
+@contextmanager
+def forced_avx512() -> Iterator[None]:
+    """``with forced_avx512():`` runs the AVX-512 BF16 form where AMX would run too (so tests check it on
+    every CPU the library loads on), then restores the previous choice. Not nestable across threads."""
+    global _avx512_forced
+    old, _avx512_forced = _avx512_forced, True
+    try:
+        yield
+    finally:
+        _avx512_forced = old
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -129,13 +172,14 @@ def chunk_attention(
     Raises:
         ValueError: on a dtype, device, layout or shape the kernel does not take, a row or length out
             of range, or a block id outside ``[1, num_blocks)`` (named with the limit; nothing written).
-        RuntimeError: when the library refuses the call (out of memory, no AMX, another struct layout).
+        RuntimeError: when the library refuses the call (out of memory, no AMX or AVX-512 BF16, another
+            struct layout).
     """
     if not supports(q, kv_cache):
         raise ValueError(
             f"chunk attention takes bfloat16 CPU q [T, Hq, D] (heads contiguous) and a contiguous bfloat16 "
             f"cache [2, blocks, block_size, Hkv, D] with D % 32 == 0, D <= {MAX_HEAD_DIM}, Hq a multiple of "
-            f"Hkv up to {MAX_QUERY_HEADS_PER_KV_HEAD} per KV head, on a CPU with AMX; got q "
+            f"Hkv up to {MAX_QUERY_HEADS_PER_KV_HEAD} per KV head, with the kernel available; got q "
             f"{tuple(q.shape)} {q.dtype} strides {q.stride()}, cache {tuple(kv_cache.shape)} "
             f"{kv_cache.dtype} (available: {available()})"
         )
@@ -162,8 +206,8 @@ def chunk_attention(
     if n == 0:
         return
     rc = _library().sg_chunk_attention(_ChunkAttentionArgs(
-        size=_ChunkAttentionArgs.SIZE, dt=1, n=n, Hq=hq, Hkv=hkv, D=d, q=q.data_ptr(), ldq=q.stride(0),
-        out=out.data_ptr(), T=t, starts=starts.data_ptr(), qlens=query_lens.data_ptr(),
+        size=_ChunkAttentionArgs.SIZE, dt=1, isa=_ISA[kind()], n=n, Hq=hq, Hkv=hkv, D=d, q=q.data_ptr(),
+        ldq=q.stride(0), out=out.data_ptr(), T=t, starts=starts.data_ptr(), qlens=query_lens.data_ptr(),
         priors=priors.data_ptr(), reqs=reqs.data_ptr(), cache=kv_cache.data_ptr(), num_blocks=num_blocks,
         block_size=block_size, block_table=block_table.data_ptr(), B=block_table.shape[0],
         ld_bt=block_table.shape[1], seg=kv_segment_size, scale=scale,
@@ -183,8 +227,8 @@ def chunk_attention(
 
 def _exp2(x: torch.Tensor) -> torch.Tensor:
     """The kernel's own ``2^x`` (its softmax's exp) on a contiguous float32 CPU tensor, for tests that bound
-    its error (``sg_chunk_attention_exp2``). Needs the compiled library and a CPU with AMX (the code is
-    compiled for that target); raises RuntimeError otherwise."""
+    its error (``sg_chunk_attention_exp2``, shared by both forms). Needs the kernel available (AMX or
+    AVX-512 BF16); raises RuntimeError otherwise."""
     if not available():
         raise RuntimeError("chunk attention is unavailable on this machine")
     x = x.detach().to(torch.float32).contiguous()

@@ -147,25 +147,9 @@ def _greedy_with_logprobs(model, prompts: list[list[int]], budget: int) -> list:
     return [outs[f"p{i}"].outputs[0] for i in range(len(prompts))]
 
 
-@pytest.mark.slow
-@requires_model
-def test_amx_chunk_attention_keeps_the_sdpa_paths_greedy_tokens_up_to_close_calls(smollm_bf16) -> None:
-    """The compiled AMX chunk kernel against the same engine with it off (SDPA chunks): long prompts
-    prefilled in 256-token chunks (the document and a question, ~2,250 tokens: its late chunks attend
-    over ~2,000 cached ones, as far as tests/kernels/test_chunk_attention.py's priors go), two at once
-    so steps hold several chunks. Tokens agree until a close call (both sides' top two within
-    ``MARGIN``); the chosen token's logprobs within ``LOGPROB_TOL``."""
-    from segserve.kernels import chunk_attention
-
-    if not chunk_attention.available():
-        pytest.skip("AMX chunk attention unavailable on this machine")
-    tok = smollm_bf16.tokenizer
-    doc = default_document()
-    prompts = [tok.encode(doc + "\n\nSummarize the license above in one sentence:"),
-               tok.encode(doc[5000:9000] + "\n\nWhat does section 4 require?")]
-    ours = _greedy_with_logprobs(smollm_bf16, prompts, 256)
-    with chunk_attention.disabled():
-        ref = _greedy_with_logprobs(smollm_bf16, prompts, 256)
+def _agreed_up_to_close_calls(ours: list, ref: list) -> int:
+    """Tokens agree until a close call (both sides' top two within ``MARGIN``) and the chosen token's
+    logprobs within ``LOGPROB_TOL``; returns how many agreed in all."""
     agreed = 0
     for a, b in zip(ours, ref, strict=True):
         steps = zip(a.token_ids, b.token_ids, strict=True)
@@ -179,4 +163,44 @@ def test_amx_chunk_attention_keeps_the_sdpa_paths_greedy_tokens_up_to_close_call
             assert 0 <= a.logprobs[j][x] - a.logprobs[j][y] < MARGIN, (j, a.logprobs[j])
             assert 0 <= b.logprobs[j][y] - b.logprobs[j][x] < MARGIN, (j, b.logprobs[j])
             break
+    return agreed
+
+
+@pytest.mark.slow
+@requires_model
+def test_amx_chunk_attention_keeps_the_sdpa_paths_greedy_tokens_up_to_close_calls(smollm_bf16) -> None:
+    """The compiled chunk kernel (AMX, or AVX-512 BF16 without AMX) against the same engine with it off
+    (SDPA chunks): long prompts prefilled in 256-token chunks (the document and a question, ~2,250
+    tokens: its late chunks attend over ~2,000 cached ones, as far as tests/kernels/test_chunk_attention.py's
+    priors go), two at once so steps hold several chunks."""
+    from segserve.kernels import chunk_attention
+
+    if not chunk_attention.available():
+        pytest.skip("chunk attention unavailable on this machine")
+    tok = smollm_bf16.tokenizer
+    doc = default_document()
+    prompts = [tok.encode(doc + "\n\nSummarize the license above in one sentence:"),
+               tok.encode(doc[5000:9000] + "\n\nWhat does section 4 require?")]
+    ours = _greedy_with_logprobs(smollm_bf16, prompts, 256)
+    with chunk_attention.disabled():
+        ref = _greedy_with_logprobs(smollm_bf16, prompts, 256)
+    agreed = _agreed_up_to_close_calls(ours, ref)
     assert agreed >= NUM_TOKENS, agreed  # at least one prompt's worth
+
+
+@requires_model
+def test_avx512_chunk_attention_keeps_the_sdpa_paths_greedy_tokens_on_a_short_prompt(smollm_bf16) -> None:
+    """The AVX-512 BF16 form of the chunk kernel (forced where AMX would run) against the engine with the
+    kernel off, on a ~350-token prompt prefilled in 48-token chunks (priors 0 .. ~300, not block
+    aligned), 16 greedy tokens: equal up to close calls, and at least 16 tokens agree."""
+    from segserve.kernels import chunk_attention
+
+    with chunk_attention.forced_avx512():
+        if not chunk_attention.available():
+            pytest.skip("chunk attention unavailable on this machine")
+        tok = smollm_bf16.tokenizer
+        prompts = [tok.encode(default_document()[:1500] + "\n\nWho may use this software?")]
+        ours = _greedy_with_logprobs(smollm_bf16, prompts, 48)
+    with chunk_attention.disabled():
+        ref = _greedy_with_logprobs(smollm_bf16, prompts, 48)
+    assert _agreed_up_to_close_calls(ours, ref) >= NUM_TOKENS

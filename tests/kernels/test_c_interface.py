@@ -184,7 +184,7 @@ def test_every_wrapper_raises_on_a_layout_mismatch_and_writes_nothing(monkeypatc
     assert torch.equal(h, before)
     assert all(torch.equal(a, b) for a, b in zip(caches, cache_before, strict=True))
 
-    if chunk_kernels.available():  # needs AMX
+    if chunk_kernels.available():  # AMX or AVX-512 BF16
         q, out = torch.randn(2, 2, 32).bfloat16(), torch.zeros(2, 2, 32, dtype=torch.bfloat16)
         cache = torch.randn(2, 4, 4, 1, 32).bfloat16()
         one = torch.tensor([0])

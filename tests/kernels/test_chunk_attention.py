@@ -1,5 +1,7 @@
-"""The compiled AMX chunk attention (``segserve.kernels.chunk_attention``) against SDPA in float32 on the
-same bfloat16 inputs, and the segmented backend using it against its SDPA path.
+"""The compiled chunk attention (``segserve.kernels.chunk_attention``) against SDPA in float32 on the
+same bfloat16 inputs, and the segmented backend using it against its SDPA path: the AMX form on CPUs
+with AMX, the AVX-512 BF16 form elsewhere (tests/kernels/test_chunk_attention_avx512.py checks that
+form on every CPU against the reference backend).
 
 Tolerance: the kernel rounds P to bfloat16 for the P V product and its output to bfloat16, so on
 unit-normal q, K, V (outputs of magnitude up to ~1) the error is bfloat16 rounding: the output's own
@@ -20,7 +22,7 @@ from segserve.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     not ca.available(),
-    reason=f"AMX chunk attention unavailable: {cpu_kernels.unavailable_reason() or 'no AMX on this CPU'}",
+    reason=f"chunk attention unavailable: {cpu_kernels.unavailable_reason() or 'switched off'}",
 )
 MAX_ABS_ERR = 2e-2
 MEAN_ABS_ERR = 2e-3

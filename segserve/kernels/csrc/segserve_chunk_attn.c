@@ -1,4 +1,5 @@
-/* segserve chunk (prefill) attention through the paged KV cache, on AMX tiles (bfloat16 caches).
+/* segserve chunk (prefill) attention through the paged KV cache (bfloat16 caches), its two products on
+ * AMX tiles or, on CPUs without AMX, in AVX-512 BF16 registers (VDPBF16PS).
  *
  *   sg_chunk_attention      the attention of every chunk (query length >= 1) of a step, in one call.
  *
@@ -29,9 +30,12 @@
  * PyTorch's CPU flash attention does for bfloat16), sums in float32; exp2 by a degree-4 polynomial
  * on [0, 1) (relative error ~3e-6, far below bfloat16's 4e-3). Output rounded to bfloat16 (nearest even).
  *
+ * Without AMX (args.isa = CA_ISA_AVX512_BF16) the same walk, packing and softmax run and the two
+ * products are VDPBF16PS register blocks reading the same packed K and V (see ca_dp_scores below).
+ *
  * The AMX code is compiled for its target only (function attributes), so this file builds and loads
- * on CPUs without AMX; there sg_amx_granted() (segserve_simd.h) is 0 and sg_chunk_attention refuses with
- * ERR_NO_AMX. Tile configuration is per thread: every OpenMP thread loads it before its items and
+ * on CPUs without AMX; there sg_amx_granted() (segserve_simd.h) is 0 and sg_chunk_attention refuses
+ * isa CA_ISA_AMX with ERR_NO_AMX. Tile configuration is per thread: every OpenMP thread loads it before its items and
  * releases the tiles after, so other code sharing the threads (another AMX kernel) is unaffected.
  */
 #include <immintrin.h>
@@ -44,8 +48,9 @@
 #include "segserve_simd.h"
 
 enum { CA_DT_BF16 = 1 };
+enum { CA_ISA_AMX = 1, CA_ISA_AVX512_BF16 = 2 }; /* what computes Q K^T and P V (sg_chunk_attention_args.isa) */
 enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_BLOCK = -4,
-       CA_ERR_LAYOUT = -5, CA_ERR_NO_AMX = -6 };
+       CA_ERR_LAYOUT = -5, CA_ERR_NO_AMX = -6, CA_ERR_NO_ISA = -7 };
 
 #define CA_MAX_D 128 /* head dim, a multiple of 32 (chunk_attention.MAX_HEAD_DIM) */
 #define CA_MAX_G 16  /* query heads per KV head (chunk_attention.MAX_QUERY_HEADS_PER_KV_HEAD) */
@@ -54,11 +59,15 @@ enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_
  * chunk, 1 and 2 threads: ~8-13 % less time, load 5-6) and leaves 48 items per layer to balance. */
 #define CA_TQ 256
 
-#define CA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16")))
+/* CA_VEC: the AVX-512 code both paths share (packing, softmax, the walk) and the vdpbf16ps products;
+ * CA_TARGET: the AMX tile code, a superset (so it may inline CA_VEC helpers). */
+#define CA_VEC __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define CA_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 typedef struct {
     int64_t size;               /* sizeof(sg_chunk_attention_args) */
     int32_t dt;                 /* dtype of q, out and the cache: 1 (bfloat16) only */
+    int32_t isa;                /* CA_ISA_AMX (tiles) or CA_ISA_AVX512_BF16 (VDPBF16PS registers) */
     int64_t n;                  /* chunks */
     int64_t Hq;                 /* query heads; head h*G + g uses KV head h, G = Hq / Hkv <= CA_MAX_G */
     int64_t Hkv;                /* KV heads */
@@ -107,7 +116,7 @@ CA_TARGET static void ca_tile_config(void) {
 /* ---- packing ------------------------------------------------------------------------------------ */
 
 /* Transpose a 16 x 16 matrix of 32-bit lanes in place (r[i] is row i). */
-CA_TARGET static inline void ca_transpose16(__m512 r[16]) {
+CA_VEC static inline void ca_transpose16(__m512 r[16]) {
     __m512 t[16];
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -148,7 +157,7 @@ static inline void ca_rows(const uint16_t **rows, int count, int64_t p0, int64_t
 /* K of positions s0 .. s0 + nk - 1 (nk a multiple of 32; those >= end are zero) as B tiles of S = Q K^T:
  * tile (key group j of 16, dim step ks of 32) at kp + (j * D/32 + ks) * 512, row r = dims 2r, 2r+1 of
  * ks's 32, each of the 16 keys' pair in turn: a 16 x 16 transpose of 32-bit pairs. */
-CA_TARGET static void ca_pack_k(uint16_t *kp, int64_t s0, int64_t nk, int64_t end, const uint16_t *kc,
+CA_VEC static void ca_pack_k(uint16_t *kp, int64_t s0, int64_t nk, int64_t end, const uint16_t *kc,
                                 const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
     const int64_t KS = D / 32;
     const uint16_t *rows[16];
@@ -166,7 +175,7 @@ CA_TARGET static void ca_pack_k(uint16_t *kp, int64_t s0, int64_t nk, int64_t en
 
 /* V of positions s0 .. s0 + nk - 1 as B tiles of O = P V: tile (key group kk of 32, dim tile dt of 16)
  * at vp + (kk * D/16 + dt) * 512, row r = keys 2r, 2r+1 interleaved over the tile's 16 dims. */
-CA_TARGET static void ca_pack_v(uint16_t *vp, int64_t s0, int64_t nk, int64_t end, const uint16_t *vc,
+CA_VEC static void ca_pack_v(uint16_t *vp, int64_t s0, int64_t nk, int64_t end, const uint16_t *vc,
                                 const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
     const int64_t DT = D / 16;
     uint16_t lo_idx[32], hi_idx[32];
@@ -200,7 +209,7 @@ CA_TARGET static void ca_pack_v(uint16_t *vp, int64_t s0, int64_t nk, int64_t en
  * less time. A cheaper degree-3 form (8.6e-5) was tried before: its mean error against float32 was the
  * same, but it moved enough bfloat16 roundings of P to take, through 30 layers, one greedy logprob of
  * the bfloat16 parity test past its 0.25 (0.254); so any exp here must be at least as accurate as this. */
-CA_TARGET static inline __m512 ca_exp2(__m512 x) {
+CA_VEC static inline __m512 ca_exp2(__m512 x) {
     const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* in [0, 1) */
     __m512 p = _mm512_set1_ps(1.342651900e-2f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.224274099e-2f));
@@ -211,7 +220,7 @@ CA_TARGET static inline __m512 ca_exp2(__m512 x) {
 }
 
 /* The kernel's exp2 on n floats (tests bound its error; n a multiple of 16 is not needed). */
-CA_TARGET void sg_chunk_attention_exp2(const float *x, float *y, int64_t n) {
+CA_VEC void sg_chunk_attention_exp2(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
         _mm512_mask_storeu_ps(y + i, k, ca_exp2(_mm512_maskz_loadu_ps(k, x + i)));
@@ -297,7 +306,7 @@ CA_TARGET static void ca_scores(const uint16_t *qt, int64_t D, int64_t nk, const
 static inline __mmask16 ca_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
 /* 32 probabilities 2^(s * c - m) (lanes at or past n: 0) to bfloat16 at p; returns their float32 sum. */
-CA_TARGET static inline __m512 ca_exp32(const float *s, uint16_t *p, __m512 cv, __m512 mv, int64_t n, __m512 sum) {
+CA_VEC static inline __m512 ca_exp32(const float *s, uint16_t *p, __m512 cv, __m512 mv, int64_t n, __m512 sum) {
     __m512 e0 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s), cv, mv));
     __m512 e1 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), cv, mv));
     if (n < 32) {
@@ -310,7 +319,7 @@ CA_TARGET static inline __m512 ca_exp32(const float *s, uint16_t *p, __m512 cv, 
 
 /* l = l * a + the sums of P of the 16 rows, acc[r] holding row r's 16 partial sums (reduced together
  * by a transpose, then lane-wise). */
-CA_TARGET static inline void ca_add_sums(__m512 acc[16], float *l, __m512 a) {
+CA_VEC static inline void ca_add_sums(__m512 acc[16], float *l, __m512 a) {
     ca_transpose16(acc);
     __m512 sum = acc[0];
     for (int r = 1; r < 16; r++) sum = _mm512_add_ps(sum, acc[r]);
@@ -322,7 +331,7 @@ CA_TARGET static inline void ca_add_sums(__m512 acc[16], float *l, __m512 a) {
  * (running sum, of the float32 P) and returns each row's rescale factor of the running output in alpha.
  * The rows' maxima and sums are reduced together (a 16 x 16 transpose, then lane-wise), not row by row:
  * sixteen horizontal reductions and scalar exps per block would be a chain of latencies. */
-CA_TARGET static __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg,
+CA_VEC static __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg,
                                             float *m, float *l, float alpha[16], int all) {
     const __m512 cv = _mm512_set1_ps(c);
     __m512 acc[16];
@@ -367,7 +376,7 @@ CA_TARGET static __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, f
  * first block: it takes a score CA_SLACK above it) is done again with the new one. Saves the max pass
  * (a load and a max per 16 scores) and its transpose. Needs c > 0: then the largest fl(s * c) is
  * fl(max(s) * c), so the test on the row's lanes is ca_softmax_2pass's test on its maximum. */
-CA_TARGET static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, float *m, float *l,
+CA_VEC static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, float *m, float *l,
                                             float alpha[16]) {
     const __m512 cv = _mm512_set1_ps(c);
     const __m512 m_old = _mm512_loadu_ps(m);
@@ -402,7 +411,7 @@ CA_TARGET static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *s
 
 /* The online softmax of one M tile over one key block (ca_softmax_2pass's contract); `first`: the
  * tile's first block (its running max not set yet). */
-CA_TARGET static __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg, float *m,
+CA_VEC static __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg, float *m,
                                       float *l, float alpha[16], int first) {
     int all = 1; /* every row sees all nk keys */
     for (int r = 0; r < 16; r++) all &= vis[r] == nk;
@@ -427,16 +436,21 @@ CA_TARGET static __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c
         }                                                                                            \
     } while (0)
 
-/* o [16 x D] (float32, row stride D) = o * alpha + P V over keys 0 .. nk - 1; only the rows in
- * `moves` have alpha != 1. */
-CA_TARGET static void ca_pv(float *o, const float alpha[16], __mmask16 moves, int64_t D, int64_t nk,
-                            const ca_seg *sg) {
-    const int64_t DT = D / 16;
+/* o [16 x D] (float32, row stride D) *= alpha, row by row; only the rows in `moves` have alpha != 1. */
+CA_VEC static void ca_rescale(float *o, const float alpha[16], __mmask16 moves, int64_t D) {
     for (int r = 0; moves && r < 16; r++) {
         if (!(moves >> r & 1)) continue;
         const __m512 av = _mm512_set1_ps(alpha[r]);
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), av));
     }
+}
+
+/* o [16 x D] (float32, row stride D) = o * alpha + P V over keys 0 .. nk - 1; only the rows in
+ * `moves` have alpha != 1. */
+CA_TARGET static void ca_pv(float *o, const float alpha[16], __mmask16 moves, int64_t D, int64_t nk,
+                            const ca_seg *sg) {
+    const int64_t DT = D / 16;
+    ca_rescale(o, alpha, moves, D);
     const int64_t ldo = D * 4, ldp = CA_LDP * 2;
     for (int64_t dt0 = 0; dt0 < DT; dt0 += 4) {
         const int four = DT - dt0 >= 4; /* else 2 dim tiles: D is a multiple of 32 */
@@ -460,6 +474,137 @@ CA_TARGET static void ca_pv(float *o, const float alpha[16], __mmask16 moves, in
         if (four) {
             _tile_stored(2, od + 32, ldo);
             _tile_stored(3, od + 48, ldo);
+        }
+    }
+}
+
+/* ---- the same two products in AVX-512 BF16 registers (CPUs without AMX) ------------------------
+ *
+ * VDPBF16PS adds to each float32 lane the two products of a bfloat16 pair. With one operand a pair
+ * broadcast to all 16 lanes (m32bcst) and the other 16 lanes of pairs, it is one row of the AMX tile
+ * product, and the packed K (ca_pack_k) and V (ca_pack_v) blocks are already 16 lanes of pairs per
+ * tile row. So this path keeps the AMX path's walk, packing and softmax; only the products differ:
+ *
+ *   S = Q K^T   S[r, 16 keys] += Q[r, dims 2p, 2p+1] (broadcast) . K pairs of the 16 keys, over the
+ *               D/2 dim pairs p, in register blocks of up to 6 rows x 64 keys;
+ *   O += P V    O[r, 16 dims] += P[r, keys 2k, 2k+1] (broadcast) . V pairs of the 16 dims, over the
+ *               key pairs k, in register blocks of up to 6 rows x 64 dims (the running output is
+ *               loaded into the accumulators once per key block and stored back).
+ *
+ * A block of 6 x 4 accumulators takes 4 vector loads and 6 broadcasts per 24 VDPBF16PS: 24 + 4 + 1 of
+ * the 32 zmm registers. Each lane sums its pairs in pair order, so a row's bits depend neither on its
+ * block of rows nor on its work item (the bitwise properties the tests check hold here too); they are
+ * not the AMX path's bits (a tile sums its 16 pairs in its own order). */
+
+#define CA_DP_ROWS 6 /* rows per register block */
+
+/* The bfloat16 pair at p (one 32-bit word) in all 16 lanes: VDPBF16PS's broadcast operand. */
+CA_VEC static inline __m512bh ca_pair(const uint16_t *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return (__m512bh)_mm512_set1_epi32(w);
+}
+
+/* S rows 0 .. R - 1 (row stride CA_LDS) of key groups 0 .. NG - 1 (16 keys each): Q rows at q (row
+ * stride D) times the packed K at kp (a key group's D/2 pair rows of 16 keys, 16 * D elements, then
+ * the next group's). R <= CA_DP_ROWS, NG <= 4: constants at every call, so the loops unroll into
+ * registers. */
+CA_VEC static inline __attribute__((always_inline)) void ca_dp_scores_block(const uint16_t *q, int64_t D,
+                                                                           const uint16_t *kp, float *s,
+                                                                           const int R, const int NG) {
+    __m512 acc[CA_DP_ROWS][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        __m512bh k[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) k[g] = (__m512bh)_mm512_loadu_si512(kp + g * 16 * D + 32 * p);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m512bh qr = ca_pair(q + r * D + 2 * p);
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qr, k[g]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) _mm512_storeu_ps(s + r * CA_LDS + 16 * g, acc[r][g]);
+}
+
+/* ca_scores's contract (S = Q K^T for keys 0 .. nk - 1, nk a multiple of 32, into sg->s) in registers:
+ * rows in blocks of 6, 6, 4; keys in blocks of 64 (the last one 32 when nk is an odd multiple of 32). */
+CA_VEC static void ca_dp_scores(const uint16_t *qt, int64_t D, int64_t nk, const ca_seg *sg) {
+    for (int r0 = 0; r0 < 16; r0 += CA_DP_ROWS) {
+        const int six = 16 - r0 >= CA_DP_ROWS; /* else the last 4 rows */
+        const uint16_t *q = qt + r0 * D;
+        float *s = sg->s + r0 * CA_LDS;
+        for (int64_t j0 = 0; j0 < nk / 16; j0 += 4) {
+            const uint16_t *k = sg->kp + j0 * 16 * D;
+            if (nk / 16 - j0 >= 4) {
+                if (six) ca_dp_scores_block(q, D, k, s + 16 * j0, CA_DP_ROWS, 4);
+                else ca_dp_scores_block(q, D, k, s + 16 * j0, 4, 4);
+            } else {
+                if (six) ca_dp_scores_block(q, D, k, s + 16 * j0, CA_DP_ROWS, 2);
+                else ca_dp_scores_block(q, D, k, s + 16 * j0, 4, 2);
+            }
+        }
+    }
+}
+
+/* o rows 0 .. R - 1 (row stride D), dim tiles 0 .. NT - 1 (16 dims each) += P V over keys 0 .. nk - 1:
+ * P rows at p (row stride CA_LDP), V packed at vp (dim tile t of key group kk at (kk * D/16 + t) * 512,
+ * row i = key pair i of the group). R <= CA_DP_ROWS, NT <= 4: constants at every call. */
+CA_VEC static inline __attribute__((always_inline)) void ca_dp_pv_block(float *o, int64_t D, const uint16_t *p,
+                                                                       const uint16_t *vp, int64_t nk,
+                                                                       const int R, const int NT) {
+    const int64_t DT = D / 16;
+    __m512 acc[CA_DP_ROWS][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_loadu_ps(o + r * D + 16 * t);
+    for (int64_t kk = 0; kk < nk / 32; kk++) {
+        const uint16_t *v = vp + kk * DT * 512;
+        for (int i = 0; i < 16; i++) {
+            __m512bh vt[4];
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) vt[t] = (__m512bh)_mm512_loadu_si512(v + t * 512 + 32 * i);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++) {
+                const __m512bh pr = ca_pair(p + r * CA_LDP + 32 * kk + 2 * i);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], pr, vt[t]);
+            }
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(o + r * D + 16 * t, acc[r][t]);
+}
+
+/* ca_pv's contract (o = o * alpha + P V over keys 0 .. nk - 1) in registers: rows in blocks of 6, 6,
+ * 4; dims in blocks of 64 (the last one 32 when D is an odd multiple of 32). */
+CA_VEC static void ca_dp_pv(float *o, const float alpha[16], __mmask16 moves, int64_t D, int64_t nk,
+                            const ca_seg *sg) {
+    const int64_t DT = D / 16;
+    ca_rescale(o, alpha, moves, D);
+    for (int r0 = 0; r0 < 16; r0 += CA_DP_ROWS) {
+        const int six = 16 - r0 >= CA_DP_ROWS;
+        const uint16_t *p = sg->p + r0 * CA_LDP;
+        for (int64_t dt0 = 0; dt0 < DT; dt0 += 4) {
+            float *od = o + r0 * D + 16 * dt0;
+            const uint16_t *v = sg->vp + dt0 * 512;
+            if (DT - dt0 >= 4) {
+                if (six) ca_dp_pv_block(od, D, p, v, nk, CA_DP_ROWS, 4);
+                else ca_dp_pv_block(od, D, p, v, nk, 4, 4);
+            } else {
+                if (six) ca_dp_pv_block(od, D, p, v, nk, CA_DP_ROWS, 2);
+                else ca_dp_pv_block(od, D, p, v, nk, 4, 2);
+            }
         }
     }
 }
@@ -489,9 +634,10 @@ typedef struct ca_ws {
 } ca_ws;
 
 /* Chunk i, KV head h, query tokens t0 .. t1 - 1 of the chunk: segment by segment, block by block of
- * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V. */
-CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t t0, int64_t t1,
-                              int64_t seg, ca_ws *w) {
+ * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V, the
+ * products on AMX tiles (`amx`, tiles configured) or in AVX-512 BF16 registers. */
+CA_VEC static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t t0, int64_t t1,
+                           int64_t seg, int amx, ca_ws *w) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, Hkv = a->Hkv, bs = a->block_size;
     const int64_t prior = a->priors[i], row0 = a->starts[i];
     const int32_t *bt = a->block_table + a->reqs[i] * a->ld_bt;
@@ -535,7 +681,9 @@ CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64
                 ca_seg sg = w->sg;
                 for (int64_t g = 0; g < G; g++) {
                     sg.s = w->sg.s + g * 16 * CA_LDS;
-                    ca_scores(w->q + (g * nqt + qt) * 16 * D, D, nk, &sg);
+                    const uint16_t *qm = w->q + (g * nqt + qt) * 16 * D;
+                    if (amx) ca_scores(qm, D, nk, &sg);
+                    else ca_dp_scores(qm, D, nk, &sg);
                 }
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t mt = g * nqt + qt;
@@ -545,7 +693,9 @@ CA_TARGET static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64
                 }
                 for (int64_t g = 0; g < G; g++) {
                     sg.p = w->sg.p + g * 16 * CA_LDP;
-                    ca_pv(w->o + (g * nqt + qt) * 16 * D, alpha[g], moves[g], D, nk, &sg);
+                    float *om = w->o + (g * nqt + qt) * 16 * D;
+                    if (amx) ca_pv(om, alpha[g], moves[g], D, nk, &sg);
+                    else ca_dp_pv(om, alpha[g], moves[g], D, nk, &sg);
                 }
             }
         }
@@ -582,7 +732,10 @@ static int ca_check(const sg_chunk_attention_args *a) {
     return CA_OK;
 }
 
-CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
+CA_TARGET static void ca_tile_release(void) { _tile_release(); }
+
+CA_VEC static int ca_run(const sg_chunk_attention_args *a) {
+    const int amx = a->isa == CA_ISA_AMX;
     const int64_t n = a->n, Hkv = a->Hkv, D = a->D, G = a->Hq / a->Hkv;
     int64_t seg = a->seg, longest = 0, threads = omp_get_max_threads(), tq = CA_TQ;
     for (int64_t i = 0; i < n; i++)
@@ -615,7 +768,7 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
         w.l = (float *)malloc(nm * 16 * 4);
         int ok = w.sg.kp && w.sg.vp && w.sg.s && w.sg.p && w.q && w.o && w.m && w.l;
         if (!ok) failed = 1;
-        else ca_tile_config();
+        else if (amx) ca_tile_config();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!ok) continue;
@@ -628,9 +781,9 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
             const int64_t i = lo, local = it - first[i], tiles = (first[i + 1] - first[i]) / Hkv;
             const int64_t qt = tiles - 1 - local / Hkv, h = local % Hkv; /* last query tiles first */
             const int64_t t0 = qt * tq, t1 = t0 + tq < a->qlens[i] ? t0 + tq : a->qlens[i];
-            ca_item(a, i, h, t0, t1, seg, &w);
+            ca_item(a, i, h, t0, t1, seg, amx, &w);
         }
-        if (ok) _tile_release();
+        if (ok && amx) ca_tile_release();
         free(w.sg.kp); free(w.sg.vp); free(w.sg.s); free(w.sg.p);
         free(w.q); free(w.o); free(w.m); free(w.l);
     }
@@ -642,13 +795,18 @@ CA_TARGET static int ca_run(const sg_chunk_attention_args *a) {
  * queries are q rows starts[i] .. starts[i] + qlens[i] - 1 at positions priors[i] .. priors[i] + qlens[i]
  * - 1; each sees the keys at positions up to its own (its chunk's K/V already written to the cache).
  * Writes those rows of out (other rows untouched). Everything read is checked first (ca_check).
- * Returns CA_OK, CA_ERR_LAYOUT, CA_ERR_SHAPE, CA_ERR_ROW, CA_ERR_BLOCK, CA_ERR_NO_AMX or CA_ERR_NOMEM. */
+ * Q K^T and P V run on AMX tiles (isa CA_ISA_AMX) or in AVX-512 BF16 registers (CA_ISA_AVX512_BF16).
+ * Returns CA_OK, CA_ERR_LAYOUT, CA_ERR_SHAPE (also for another isa), CA_ERR_ROW, CA_ERR_BLOCK,
+ * CA_ERR_NO_AMX (isa AMX without granted tiles), CA_ERR_NO_ISA (isa AVX512_BF16 on a CPU without it) or
+ * CA_ERR_NOMEM. */
 int sg_chunk_attention(const sg_chunk_attention_args *a) {
     if (a->size != (int64_t)sizeof *a) return CA_ERR_LAYOUT;
     if (a->dt != CA_DT_BF16 || a->Hkv < 1 || a->D % 32 || a->D < 32 || a->D > CA_MAX_D || a->Hq % a->Hkv ||
         a->Hq / a->Hkv > CA_MAX_G || a->seg < 1 || a->n < 0)
         return CA_ERR_SHAPE;
-    if (!sg_amx_granted()) return CA_ERR_NO_AMX;
+    if (a->isa != CA_ISA_AMX && a->isa != CA_ISA_AVX512_BF16) return CA_ERR_SHAPE;
+    if (a->isa == CA_ISA_AMX && !sg_amx_granted()) return CA_ERR_NO_AMX;
+    if (a->isa == CA_ISA_AVX512_BF16 && !__builtin_cpu_supports("avx512bf16")) return CA_ERR_NO_ISA;
     int rc = ca_check(a);
     return rc != CA_OK || a->n == 0 ? rc : ca_run(a);
 }
