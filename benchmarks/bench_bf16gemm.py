@@ -2,7 +2,8 @@
 
 1. The measured peak: ``bf16gemm.peak``'s register-only microkernel (24 vdpbf16ps accumulators, no
    loads) on the table's thread count, in many short trials (best = the ceiling, median = what a trial
-   got on this shared machine).
+   got on this shared machine); and again as one more form in every cell's alternation (``peak``), so
+   each cell's share of the peak compares trials of the same minutes (the host has slow phases).
 2. GFLOP/s of the kernel, oneDNN's pre-packed bf16 GEMM (``PackedLinear``'s, what the engine calls
    without this kernel) and ``F.linear``, for M rows x the model's (N, K): fused qkv (960, 576), o
    (576, 576), fused gate|up (3072, 576; the kernel with its SiLU gate fused, oneDNN plus the compiled
@@ -64,23 +65,27 @@ def measure_peak(threads: int, trials: int) -> dict[str, float]:
 
 
 def forms(m: int, shape: str) -> dict[str, Callable[[], object]]:
-    """One callable per form for ``(m, K)`` bf16 rows by a random ``(N, K)`` bf16 weight."""
+    """One callable per form for ``(m, K)`` bf16 rows by a random ``(N, K)`` bf16 weight (and ``peak``,
+    the register-only microkernel for as many flops, timed among them)."""
     n, k = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     w = (0.05 * torch.randn(n, k, generator=gen)).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
     tiles, onednn = bf16gemm.pack(w), pack_weight(w)
+    threads = torch.get_num_threads()
+    iters = max(1, round(2.0 * m * n * k / threads / bf16gemm.PEAK_FLOPS_PER_ITER))
+    peak = {"peak": lambda: bf16gemm.peak(iters, threads)}  # the same flops as the GEMM (rounded)
     if shape == "gate_up":  # the engine's forms: SiLU gate fused, or oneDNN + the compiled gate pass
         return {
             "bf16gemm": lambda: bf16gemm.linear(x, tiles, n, k, silu_mul=True),
             "onednn_packed": lambda: cpu_kernels.silu_mul(packed_linear(x, onednn, None)),
             "f_linear": lambda: cpu_kernels.silu_mul(F.linear(x, w)),
-        }
+        } | peak
     return {
         "bf16gemm": lambda: bf16gemm.linear(x, tiles, n, k),
         "onednn_packed": lambda: packed_linear(x, onednn, None),
         "f_linear": lambda: F.linear(x, w),
-    }
+    } | peak
 
 
 def time_forms(fns: dict[str, Callable[[], object]], flops: float, trials: int) -> dict[str, dict]:
@@ -101,13 +106,14 @@ def time_forms(fns: dict[str, Callable[[], object]], flops: float, trials: int) 
     return {name: {"best": max(r), "median": statistics.median(r)} for name, r in rates.items()}
 
 
-def gemm_table(rows: list[int], trials: int, peak: dict[str, float]) -> list[dict]:
-    """Every form at every row count and shape; printed as it goes, with the kernel's share of the peak."""
+def gemm_table(rows: list[int], trials: int) -> list[dict]:
+    """Every form at every row count and shape; printed as it goes, with the kernel's share of the peak
+    (its best trial over the best of the cell's own peak trials: the same minutes)."""
     results = []
     for m in rows:
         for shape, (n, k) in SHAPES.items():
             r = time_forms(forms(m, shape), 2.0 * m * n * k, trials)
-            share = r["bf16gemm"]["best"] / peak["best"]
+            share = r["bf16gemm"]["best"] / r["peak"]["best"]
             results.append({"M": m, "shape": shape, "N": n, "K": k, **r, "peak_share_best": share})
             cells = "  ".join(f"{f} {v['median']:.0f} ({v['best']:.0f})" for f, v in r.items())
             print(f"  M={m:5d} {shape:8s} {n:5d}x{k:<5d} GFLOP/s median (best): {cells}  "
@@ -165,14 +171,14 @@ def main() -> None:
         print(f"{threads} threads: vdpbf16ps peak (register-only) {peak['best']:.0f} GFLOP/s best, "
               f"{peak['median']:.0f} median")
         record["peak_gflops"] = peak
-        record["gemm"] = gemm_table(rows, args.trials, peak)
+        record["gemm"] = gemm_table(rows, args.trials)
         for m in rows:
             at = [r for r in record["gemm"] if r["M"] == m]
             lines.append(f"M={m}: kernel/oneDNN " + "/".join(
                 f"{r['bf16gemm']['median'] / r['onednn_packed']['median']:.2f}" for r in at)
                 + " (medians), kernel " + "/".join(f"{r['peak_share_best']:.0%}" for r in at)
                 + " of peak (best)")
-        lines.append(f"peak {peak['best']:.0f} GFLOP/s; shapes qkv/o/gate_up/down")
+        lines.append(f"peak {peak['best']:.0f} GFLOP/s (first measured); shapes qkv/o/gate_up/down")
     if args.prefill:
         t = prefill(args.prefill, args.budget)
         record["prefill_4096_s"] = t

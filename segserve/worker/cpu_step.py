@@ -45,7 +45,9 @@ _MAX_ROPE_HEAD_DIM = 1024
 # Fewest rows a bfloat16 step needs to take the AMX GEMMs: every step the small-batch path leaves.
 # benchmarks/bench_amx_gemm.py (2 threads, this model's shapes): the AMX GEMM beats oneDNN's packed one
 # from 9 rows up (table in segserve/models/packed_linear.py), so with AMX the oneDNN copy of the
-# bfloat16 projections is never read and prepack() does not make it.
+# bfloat16 projections is never read and prepack() does not make it. Without AMX the vdpbf16ps GEMM
+# (bf16gemm) takes the same steps: at 9 rows it beat oneDNN's packed GEMM 1.41-1.88x on this model's
+# shapes (benchmarks/bench_bf16gemm.py, Zen 4, 2 threads, load 2.9; table in docs/perf.md).
 AMX_MIN_ROWS = cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] + 1
 # Fewest rows a dense bfloat16 decode-only step needs for the decode stack to run its projections (and
 # the LM head) as AMX tile products rather than vdpbf16ps register tiles: 2. Interleaved per step
