@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void micro(int mr, int nv, const sg
             for (int v = 0; v < nv; v++) c[i][v] = _mm512_dpbf16_ps(c[i][v], xv, w[v]);
         }
     }
-#ifdef BG_NO_EPI
+#ifdef BG_NO_EPI /* timing-only ablation, built by hand with -DBG_NO_EPI: what the stores cost */
     if (a->M > 0) return;
 #endif
     store_tile(a, mr, nv, c, m0, u);
