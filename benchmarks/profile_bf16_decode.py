@@ -235,7 +235,7 @@ def main() -> None:
     old_lib = _old_library(a.old_lib) if a.old_lib else None
     rows_now = [0]
     cs = llm.llm_engine.runner.cpu_step
-    heads = {"B": (cs._amx_lm_head, cs._packed_lm_head)}  # A with --old-lib: main's oneDNN-packed head
+    heads = {"B": (cs._tile_lm_head, cs._packed_lm_head)}  # A with --old-lib: main's oneDNN-packed head
     heads["A"] = (None, pack_weight(cs.model.lm_head_weight)) if old_lib is not None else heads["B"]
 
     def set_variant(v: str) -> None:
@@ -246,7 +246,7 @@ def main() -> None:
         cpu_step_module.AMX_STACK_MIN_ROWS = 9 if v == "A" else min_rows
         old = v == "A" and old_lib is not None and rows_now[0] > cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16]
         cpu_kernels._lib = old_lib if old else new_lib
-        cs._amx_lm_head, cs._packed_lm_head = heads[v]
+        cs._tile_lm_head, cs._packed_lm_head = heads[v]
     saved = limits[torch.bfloat16] if limits is not None else None
     min_rows = cpu_step_module.AMX_STACK_MIN_ROWS
     if a.route == "chunk" and limits is not None:

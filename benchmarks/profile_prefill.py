@@ -3,11 +3,13 @@
 Prefills one prompt (``--prompt-len``, default 4,096) through ``LLM.generate`` at each ``--budgets`` entry
 (default: the offline ``LLM``'s own default, then 4,096) and times, with ``time.perf_counter`` around
 each call (no profiler: the compiled kernels are ctypes calls it would not see), the pieces of
-``CpuStep``'s chunk path: every AMX GEMM by weight shape (with its GFLOP/s), oneDNN GEMMs, attention
+``CpuStep``'s chunk path: every tile GEMM (AMX, or ``bf16gemm`` without AMX) by weight shape (with its
+GFLOP/s), oneDNN GEMMs, attention
 (RoPE + KV write + chunk attention), the fused residual-add + RMSNorm passes, the SiLU gate when it is
 not fused, the embedding, the LM head and sampling; what is left of each step's wall time is Python,
 scheduling and input building. Padding waste is the padded rows' share of the step's rows. Then the
-AMX register-only peak (``amx.peak``) on the same threads, for the GEMMs' share of it.
+register-only peak of the tile GEMM that runs (``amx.peak``, else ``bf16gemm.peak``) on the same
+threads, for the GEMMs' share of it.
 
     PYTHONPATH=. python benchmarks/profile_prefill.py [--model DIR] [--budgets 0,4096] [--repeats 2]
 
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from segserve import LLM, SamplingParams
-from segserve.kernels import amx, chunk_attention
+from segserve.kernels import amx, bf16gemm, chunk_attention
 from segserve.kernels import cpu as cpu_kernels
 from segserve.worker import cpu_step, model_runner
 
@@ -76,6 +78,7 @@ def amx_kind(args, kwargs):
 def install(t: Timers) -> None:
     """Time the chunk path's pieces where ``cpu_step`` and the model call them."""
     t.wrap(amx, "linear", amx_kind)
+    t.wrap(bf16gemm, "linear", amx_kind)
     t.wrap(cpu_kernels, "add_rmsnorm_", lambda a, k: ("add+rmsnorm", 0.0))
     t.wrap(cpu_kernels, "silu_mul", lambda a, k: ("silu_mul (unfused)", 0.0))
     t.wrap(chunk_attention, "chunk_attention", lambda a, k: ("attention kernel", 0.0))
@@ -101,13 +104,17 @@ def install(t: Timers) -> None:
 
 
 def peak_gflops(threads: int) -> float:
-    """Best of 30 short runs of the register-only AMX microkernel, GFLOP/s over ``threads``."""
+    """Best of 30 short runs of the register-only microkernel of the tile GEMM that runs here (AMX's,
+    else bf16gemm's), GFLOP/s over ``threads``; NaN when neither runs."""
+    kernel = amx if amx.available() else bf16gemm if bf16gemm.available() else None
+    if kernel is None:
+        return float("nan")
     iters, best = 20000, 0.0
     for _ in range(30):
         t0 = time.perf_counter()
-        amx.peak(iters, threads)
+        kernel.peak(iters, threads)
         dt = time.perf_counter() - t0
-        best = max(best, threads * iters * amx.PEAK_FLOPS_PER_ITER / dt / 1e9)
+        best = max(best, threads * iters * kernel.PEAK_FLOPS_PER_ITER / dt / 1e9)
     return best
 
 
@@ -170,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     threads = torch.get_num_threads()
     result = {"load_before": os.getloadavg(), "threads": threads, "budgets": {}}
-    peak = peak_gflops(threads) if amx.available() else float("nan")
-    print(f"AMX register peak, {threads} threads: {peak:.0f} GFLOP/s; load {os.getloadavg()}")
+    peak = peak_gflops(threads)
+    kind = "AMX" if amx.available() else "vdpbf16ps" if bf16gemm.available() else "no tile GEMM"
+    print(f"{kind} register peak, {threads} threads: {peak:.0f} GFLOP/s; load {os.getloadavg()}")
     t = Timers()
     install(t)
     for b in (int(x) for x in args.budgets.split(",")):

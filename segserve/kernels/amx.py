@@ -164,34 +164,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def linear(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    n: int,
-    k: int,
-    bias: torch.Tensor | None = None,
-    *,
-    residual: torch.Tensor | None = None,
-    silu_mul: bool = False,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` on AMX tiles for the ``(n, k)`` weight ``W`` that :func:`pack` packed.
-
-    Args:
-        x: ``(M, k)`` bfloat16, M >= 1, rows contiguous (a row stride >= k is fine).
-        packed: :func:`pack`'s result for ``W``. bias: ``(n,)`` bfloat16 or None.
-        residual: ``(M, n)`` contiguous bfloat16, updated in place as ``residual += result`` (the
-            product rounded first, like ``h.add_(linear(x))``) and returned.
-        silu_mul: ``W`` is a fused ``[gate; up]`` (n = 2 I): returns ``silu(gate) * up`` ``(M, I)``,
-            rounded where ``F.silu(gate).mul_(up)`` rounds.
-        out_dtype: bfloat16 or float32 for a plain output (the epilogues give bfloat16).
-
-    Returns:
-        ``residual`` when given, else a new ``(M, n)`` (``(M, n/2)`` for ``silu_mul``) tensor.
+def linear_output(
+    x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+    residual: torch.Tensor | None, silu_mul: bool, out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, int]:
+    """Check :func:`linear`'s arguments (also ``bf16gemm.linear``'s, which takes the same ones) and
+    return ``(y, epilogue)``: the tensor the kernel writes (``residual``, or a new ``(M, n)`` /
+    ``(M, n/2)`` one) and the C epilogue code.
 
     Raises:
-        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit).
-        RuntimeError: when AMX cannot run in this process (check :func:`available` first).
+        ValueError: on a dtype, device, shape or stride the kernels do not take (named with the limit).
     """
     if packed.dtype != torch.bfloat16 or packed.device.type != "cpu" or not packed.is_contiguous() \
             or packed.numel() != n * k or packed.dim() != 4 or packed.shape != (n // 16, k // 32, 16, 32):
@@ -227,14 +209,46 @@ def linear(
         y = residual
     else:
         y = torch.empty(m, n // 2 if silu_mul else n, dtype=out_dtype)
-    epilogue = "silu_mul" if silu_mul else "residual" if residual is not None else None
+    return y, _EPILOGUES["silu_mul" if silu_mul else "residual" if residual is not None else None]
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` on AMX tiles for the ``(n, k)`` weight ``W`` that :func:`pack` packed.
+
+    Args:
+        x: ``(M, k)`` bfloat16, M >= 1, rows contiguous (a row stride >= k is fine).
+        packed: :func:`pack`'s result for ``W``. bias: ``(n,)`` bfloat16 or None.
+        residual: ``(M, n)`` contiguous bfloat16, updated in place as ``residual += result`` (the
+            product rounded first, like ``h.add_(linear(x))``) and returned.
+        silu_mul: ``W`` is a fused ``[gate; up]`` (n = 2 I): returns ``silu(gate) * up`` ``(M, I)``,
+            rounded where ``F.silu(gate).mul_(up)`` rounds.
+        out_dtype: bfloat16 or float32 for a plain output (the epilogues give bfloat16).
+
+    Returns:
+        ``residual`` when given, else a new ``(M, n)`` (``(M, n/2)`` for ``silu_mul``) tensor.
+
+    Raises:
+        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit).
+        RuntimeError: when AMX cannot run in this process (check :func:`available` first).
+    """
+    y, epilogue = linear_output(x, packed, n, k, bias, residual, silu_mul, out_dtype)
     lib = _library()
     if lib is None or not hardware_ready():
         raise RuntimeError(f"AMX GEMM unavailable: {unavailable_reason()}")
     rc = lib.sg_amx_linear(_LinearArgs(  # positional: ctypes builds a struct from keywords ~2x slower
-        _LinearArgs.SIZE, m, n, k, x.data_ptr(), x.stride(0), packed.data_ptr(),
+        _LinearArgs.SIZE, x.shape[0], n, k, x.data_ptr(), x.stride(0), packed.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-        0 if y.dtype == torch.float32 else 1, _EPILOGUES[epilogue],
+        0 if y.dtype == torch.float32 else 1, epilogue,
     ))
     _check(rc, "sg_amx_linear")
     return y

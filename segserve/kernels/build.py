@@ -35,7 +35,7 @@ SYMBOLS = (
     "sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack",
     "sg_rows", "sg_amx_probe", "sg_amx_pack", "sg_amx_linear", "sg_amx_peak",
     "sg_chunk_attention", "sg_qdequant", "sg_quant_int8_built", "sg_f32gemm", "sg_amx_rows_linear",
-    "sg_stack_timing",
+    "sg_stack_timing", "sg_bf16gemm", "sg_bf16gemm_peak",
 )
 
 _loaded: ctypes.CDLL | None = None

@@ -16,9 +16,11 @@ are switched on and every projection has a shape they take:
   place (:func:`forward_chunk`; the eager ops they replace were ~15 % of a 512-token bfloat16 step).
   bfloat16 steps of at least ``AMX_MIN_ROWS`` rows on a CPU with AMX (``segserve.kernels.amx``) run the
   projections as AMX GEMMs instead, on the tile-packed weights :meth:`CpuStep.prepack` made, with the
-  SiLU gate fused into the gate/up GEMM's stores. GGUF-block projections (``QuantLinear``) of such a
-  step are dequantized to bfloat16 and packed per call, then run on the same AMX GEMM
-  (:func:`quant_on_amx`), instead of oneDNN on the dequantized weight.
+  SiLU gate fused into the gate/up GEMM's stores. On a CPU without AMX the same steps run those GEMMs
+  in AVX-512 BF16 register tiles (``segserve.kernels.bf16gemm``, vdpbf16ps) on the same tile-packed
+  weights (:func:`tile_gemm` picks). GGUF-block projections (``QuantLinear``) of such a step are
+  dequantized to bfloat16 and packed per call, then run on that GEMM (:func:`quant_on_tiles`), instead
+  of oneDNN on the dequantized weight.
 
 Otherwise (kernels off or unbuilt, another dtype or device, a weight shape they do not take) the model's
 own forward. The LM head alike: the compiled linear for a few rows, else the oneDNN-packed copy
@@ -31,7 +33,7 @@ import torch
 
 from segserve.attention.metadata import AttentionMetadata
 from segserve.attention.segmented import SegmentedAttentionBackend
-from segserve.kernels import amx, quant
+from segserve.kernels import amx, bf16gemm, quant
 from segserve.kernels import cpu as cpu_kernels
 from segserve.kernels.gguf_blocks import QuantWeight
 from segserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -44,7 +46,9 @@ _MAX_ROPE_HEAD_DIM = 1024
 # Fewest rows a bfloat16 step needs to take the AMX GEMMs: every step the small-batch path leaves.
 # benchmarks/bench_amx_gemm.py (2 threads, this model's shapes): the AMX GEMM beats oneDNN's packed one
 # from 9 rows up (table in segserve/models/packed_linear.py), so with AMX the oneDNN copy of the
-# bfloat16 projections is never read and prepack() does not make it.
+# bfloat16 projections is never read and prepack() does not make it. Without AMX the vdpbf16ps GEMM
+# (bf16gemm) takes the same steps: at 9 rows it beat oneDNN's packed GEMM 1.41-1.88x on this model's
+# shapes (benchmarks/bench_bf16gemm.py, Zen 4, 2 threads, load 2.9; table in docs/perf.md).
 AMX_MIN_ROWS = cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] + 1
 # Fewest rows a dense bfloat16 decode-only step needs for the decode stack to run its projections (and
 # the LM head) as AMX tile products rather than vdpbf16ps register tiles: 2. Interleaved per step
@@ -74,46 +78,47 @@ class CpuStep:
         self._has_blocks: bool | None = None
         self._stack: cpu_kernels.DecodeStack | None = None
         self._stack_key: tuple | None = None
-        # Per layer (qkv, o, gate_up, down) in the AMX tile layout, when prepack() made them.
-        self._amx_weights: list[tuple[torch.Tensor, ...]] | None = None
-        # The LM head in the AMX tile layout, made with them (instead of the oneDNN copy).
-        self._amx_lm_head: torch.Tensor | None = None
+        # Per layer (qkv, o, gate_up, down) in amx.pack's tile layout, when prepack() made them: read by
+        # the AMX GEMM or, without AMX, by bf16gemm (tile_gemm()); the decode stack takes them on AMX only.
+        self._tile_weights: list[tuple[torch.Tensor, ...]] | None = None
+        # The LM head in the same layout, made with them (instead of the oneDNN copy).
+        self._tile_lm_head: torch.Tensor | None = None
 
     def prepack(self) -> int:
         """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
-        ``segserve.models.packed_linear``), or, for bfloat16 projections where the AMX GEMM runs
-        (``amx.available()``), in its tile layout instead (:func:`forward_chunk` reads that copy for every
-        step over ``MAX_SMALL_ROWS`` rows, so a oneDNN copy would go unread). Idempotent; call again
-        after changing or replacing weights, or after switching AMX on or off (it also forgets the
+        ``segserve.models.packed_linear``), or, for bfloat16 projections where a tile GEMM runs (AMX, or
+        without it bf16gemm: :func:`tile_gemm`), in ``amx.pack``'s tile layout instead
+        (:func:`forward_chunk` reads that copy for every step over ``MAX_SMALL_ROWS`` rows, so a oneDNN
+        copy would go unread); the LM head goes to tiles with AMX only. Idempotent; call again after
+        changing or replacing weights, or after switching AMX or bf16gemm on or off (it also forgets the
         kernel-fit answers and the compiled decode step, which hold the weights).
 
         Costs one extra copy of the packed weights (the plain ones stay for ``state_dict``).
         Returns how many weights are packed (0 for other dtypes or devices, or without oneDNN).
         """
         model = self.model
-        self._amx_weights = amx_layer_weights(model)
+        self._tile_weights = tile_layer_weights(model)
         linears = [m for m in _linears(model) if isinstance(m, PackedLinear)]  # blocks are not repacked
-        if self._amx_weights is not None:
-            amx_packed = {id(m) for ly in model.layers for m in _layer_linears(ly)}
+        if self._tile_weights is not None:
+            tiled = {id(m) for ly in model.layers for m in _layer_linears(ly)}
             for m in linears:
-                if id(m) in amx_packed:
+                if id(m) in tiled:
                     m.unpack()
-            linears = [m for m in linears if id(m) not in amx_packed]
-        count = sum(m.pack() for m in linears) + (0 if self._amx_weights is None else 4 * len(model.layers))
+            linears = [m for m in linears if id(m) not in tiled]
+        count = sum(m.pack() for m in linears) + (0 if self._tile_weights is None else 4 * len(model.layers))
         self._kernel_fit.clear()  # weights may have changed shape, dtype or layout
         self._has_blocks = None
         self._stack_key = self._stack = None  # and the compiled decode step holds pointers to them
-        self._amx_lm_head = None
+        self._tile_lm_head = None
         if model.quantized_lm_head is not None:  # kept in blocks: nothing to pack
             self._packed_lm_head = None
-        elif self._amx_weights is not None and amx.supports(model.lm_head_weight) and (
-            model.lm_head is None or model.lm_head.bias is None
-        ):
+        elif self._tile_weights is not None and tile_gemm() is amx and amx.supports(model.lm_head_weight) \
+                and (model.lm_head is None or model.lm_head.bias is None):
             # Decode steps of 2-64 rows (amx.rows_linear) and more rows (amx.linear) read this copy.
             if model.lm_head is not None:
                 model.lm_head.unpack()
             self._packed_lm_head = None
-            self._amx_lm_head = amx.pack(model.lm_head_weight)
+            self._tile_lm_head = amx.pack(model.lm_head_weight)
             return count + (model.lm_head is None)
         elif model.lm_head is None:  # tied: the LM head reads the embedding matrix
             self._packed_lm_head = pack_weight(model.embed_tokens.weight)
@@ -127,8 +132,8 @@ class CpuStep:
             if isinstance(m, PackedLinear):
                 m.unpack()
         self._packed_lm_head = None
-        self._amx_weights = None
-        self._amx_lm_head = None
+        self._tile_weights = None
+        self._tile_lm_head = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -158,8 +163,8 @@ class CpuStep:
         model.check_kv_caches(kv_caches)
         stack = self.decode_stack(input_ids, kv_caches, metadata)
         if not small and stack is None:
-            amx_weights = self._amx_weights if self._amx_fits(dtype, rows) else None
-            return forward_chunk(model, input_ids, positions, kv_caches, metadata, amx_weights)
+            tiles = self._tile_weights if self._tiles_fit(dtype, rows) else None
+            return forward_chunk(model, input_ids, positions, kv_caches, metadata, tiles)
         h = model.embed_tokens(input_ids)  # (T, H)
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
         if stack is not None:  # a decode-only step: every layer in one compiled call
@@ -187,7 +192,7 @@ class CpuStep:
         if not self._stack_takes(rows, metadata):
             return None
         dtype = model.activation_dtype
-        amx_weights = self._amx_weights if self._amx_fits(dtype, AMX_MIN_ROWS) else None
+        amx_weights = self._tile_weights if self._amx_fits(dtype, AMX_MIN_ROWS) else None
         key = (dtype, kv_caches[0].shape, len(kv_caches), amx_weights is not None)
         if self._stack_key != key:
             self._stack_key = key
@@ -243,7 +248,7 @@ class CpuStep:
         if quantized is not None:
             return quantized_matmul(hidden, quantized, out_dtype=torch.float32)
         weight = self.model.lm_head_weight
-        tiles = self._amx_lm_head
+        tiles = self._tile_lm_head
         if tiles is not None and hidden.dtype == tiles.dtype and hidden.shape[0] >= AMX_STACK_MIN_ROWS \
                 and amx.available():
             n, k = weight.shape
@@ -261,13 +266,18 @@ class CpuStep:
             return packed_linear(hidden, packed, None).float()
         return self.model.compute_logits(hidden)
 
-    def _amx_fits(self, dtype: torch.dtype, rows: int) -> bool:
-        """Whether a step of ``rows`` rows in ``dtype`` takes the AMX GEMMs: bfloat16, at least
-        ``AMX_MIN_ROWS`` rows, AMX copies made by :meth:`prepack` and AMX still switched on."""
+    def _tiles_fit(self, dtype: torch.dtype, rows: int) -> bool:
+        """Whether a step of ``rows`` rows in ``dtype`` takes a tile GEMM (:func:`tile_gemm`): bfloat16,
+        at least ``AMX_MIN_ROWS`` rows, tile copies made by :meth:`prepack` and a tile GEMM switched on."""
         return (
-            dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and self._amx_weights is not None
-            and self._amx_weights[0][0].dtype == dtype and amx.available()
+            dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and self._tile_weights is not None
+            and self._tile_weights[0][0].dtype == dtype and tile_gemm() is not None
         )
+
+    def _amx_fits(self, dtype: torch.dtype, rows: int) -> bool:
+        """Whether a step of ``rows`` rows in ``dtype`` takes the AMX tile products (the GEMMs, and the
+        decode stack's): :meth:`_tiles_fit` with AMX itself switched on."""
+        return self._tiles_fit(dtype, rows) and amx.available()
 
     def _kernels_fit(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a step with activations of ``dtype`` on ``device`` can use the compiled CPU kernels:
@@ -329,15 +339,15 @@ def _kernel_weight(module: PackedLinear | QuantLinear) -> torch.Tensor | QuantWe
 
 def forward_chunk(
     model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-    metadata: AttentionMetadata, amx_weights: list[tuple[torch.Tensor, ...]] | None = None,
+    metadata: AttentionMetadata, tile_weights: list[tuple[torch.Tensor, ...]] | None = None,
 ) -> torch.Tensor:
     """The model's forward for a step of many rows: the projections as the layers' own linears (oneDNN
-    packed GEMMs), or with ``amx_weights`` (:func:`amx_layer_weights`) as AMX GEMMs with the SiLU gate
-    fused into the gate/up one's stores; the elementwise work between them in compiled row passes
-    instead of ~15 eager ops: ``h += branch`` fused with the next RMSNorm (the last layer's with the
-    final norm), the SiLU gate, RoPE in place. Same rounding points as the eager model, so equal to it
-    within the norms' (and the GEMMs') summation order. ``input_ids``/``positions`` ``(T,)``; returns
-    ``(T, H)`` after the final norm."""
+    packed GEMMs), or with ``tile_weights`` (:func:`tile_layer_weights`) as :func:`tile_gemm`'s GEMMs
+    (AMX, else bf16gemm) with the SiLU gate fused into the gate/up one's stores; the elementwise work
+    between them in compiled row passes instead of ~15 eager ops: ``h += branch`` fused with the next
+    RMSNorm (the last layer's with the final norm), the SiLU gate, RoPE in place. Same rounding points
+    as the eager model, so equal to it within the norms' (and the GEMMs') summation order.
+    ``input_ids``/``positions`` ``(T,)``; returns ``(T, H)`` after the final norm."""
     model.check_kv_caches(kv_caches)
     h = model.embed_tokens(input_ids)  # (T, H)
     cos, sin = model.rope_at(positions)  # (T, D) float32 each
@@ -347,7 +357,7 @@ def forward_chunk(
     branch = None
     for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
         attn, mlp = layer.self_attn, layer.mlp
-        packed = (None,) * 4 if amx_weights is None else amx_weights[i]
+        packed = (None,) * 4 if tile_weights is None else tile_weights[i]
         if branch is not None:  # the previous layer's MLP output joins h, then this layer's norm
             ln1 = layer.input_layernorm
             cpu_kernels.add_rmsnorm_(h, ln1.weight, ln1.eps, add=branch, out=x)
@@ -362,35 +372,48 @@ def forward_chunk(
 
 def _project(linear: PackedLinear | QuantLinear, x: torch.Tensor, packed: torch.Tensor | None,
              silu_mul: bool = False) -> torch.Tensor:
-    """``linear(x)`` (``silu_mul``: the SiLU gate of that fused gate|up output), on AMX tiles when
-    ``packed`` (its weight in ``amx.pack``'s layout) is given or when :func:`quant_on_amx` says a GGUF
-    weight's step goes there (dequantized to bfloat16 and packed for this call)."""
-    if packed is None and quant_on_amx(linear, x) and not (silu_mul and linear.out_features % 32):
+    """``linear(x)`` (``silu_mul``: the SiLU gate of that fused gate|up output), on :func:`tile_gemm`'s
+    GEMM when ``packed`` (its weight in ``amx.pack``'s layout) is given or when :func:`quant_on_tiles`
+    says a GGUF weight's step goes there (dequantized to bfloat16 and packed for this call)."""
+    gemm = tile_gemm()
+    if packed is None and quant_on_tiles(linear, x) and not (silu_mul and linear.out_features % 32):
         packed = amx.pack(dequantize_weight(linear.quant_weight, torch.bfloat16))
-    if packed is None:
+    if packed is None or gemm is None:
         return cpu_kernels.silu_mul(linear(x)) if silu_mul else linear(x)
-    return amx.linear(x, packed, linear.out_features, linear.in_features, linear.bias, silu_mul=silu_mul)
+    return gemm.linear(x, packed, linear.out_features, linear.in_features, linear.bias, silu_mul=silu_mul)
 
 
-def quant_on_amx(linear: torch.nn.Module, x: torch.Tensor) -> bool:
+def tile_gemm():
+    """The GEMM module that runs on ``amx.pack``'s tile layout here: ``amx`` where AMX runs and is on,
+    else ``bf16gemm`` (AVX-512 BF16 register tiles) where it is on, else None. Both take the same
+    arguments and round alike; bf16gemm is how a bfloat16 step's projections leave oneDNN on a CPU
+    without AMX (Zen 4: oneDNN's bf16 GEMM there reached ~150 GFLOP/s of a ~350-400 vdpbf16ps peak)."""
+    if amx.available():
+        return amx
+    return bf16gemm if bf16gemm.available() else None
+
+
+def quant_on_tiles(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether a GGUF-block projection of a bfloat16 step of ``x`` ``(M, K)`` runs as dequantize, pack
-    and AMX GEMM: the rows where ``QuantLinear`` itself would dequantize and call oneDNN (above
-    ``quant_linear.SMALL_ROWS``), AMX available, and a weight (and bfloat16 bias) the kernel tiles. The
-    dequantization is the one that path does; packing adds one pass over the (at most 3.5 MB here)
-    bfloat16 weight per call, against a GEMM of at least 13 rows that then runs at the AMX kernel's
-    rate with the SiLU gate fused (oneDNN reorders the plain weight on every call as well)."""
+    and tile GEMM (:func:`tile_gemm`): the rows where ``QuantLinear`` itself would dequantize and call
+    oneDNN (above ``quant_linear.SMALL_ROWS``), a tile GEMM available, and a weight (and bfloat16 bias)
+    the kernel tiles. The dequantization is the one that path does; packing adds one pass over the (at
+    most 3.5 MB here) bfloat16 weight per call, against a GEMM of at least 13 rows that then runs at the
+    tile kernel's rate with the SiLU gate fused (oneDNN reorders the plain weight on every call as
+    well)."""
     return (
         isinstance(linear, QuantLinear) and x.dtype == torch.bfloat16
         and x.shape[0] > QUANT_SMALL_ROWS[torch.bfloat16] and linear.out_features % 16 == 0
         and linear.in_features % 32 == 0 and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
-        and amx.available()
+        and tile_gemm() is not None
     )
 
 
-def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]] | None:
-    """Per layer, ``(qkv, o, gate_up, down)`` packed by ``amx.pack`` when the AMX GEMM runs here and
-    every one of them is a bfloat16 CPU weight it takes (a bias only on qkv, bfloat16); else None."""
-    if not amx.available():
+def tile_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]] | None:
+    """Per layer, ``(qkv, o, gate_up, down)`` packed by ``amx.pack`` when a tile GEMM runs here
+    (:func:`tile_gemm`) and every one of them is a bfloat16 CPU weight it takes (a bias only on qkv,
+    bfloat16); else None."""
+    if tile_gemm() is None:
         return None
     for layer in model.layers:
         for m in _layer_linears(layer):
@@ -405,7 +428,7 @@ def amx_layer_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, ...]]
 
 
 def _layer_linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear | QuantLinear, ...]:
-    """``(qkv, o, gate_up, down)``: the projections :func:`forward_chunk` runs on AMX, in its order."""
+    """``(qkv, o, gate_up, down)``: the projections :func:`forward_chunk` runs on tiles, in its order."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 

@@ -170,18 +170,18 @@ def test_prepack_keeps_one_packed_copy_of_the_bf16_projections(tiny_dir) -> None
     model = load_model(tiny_dir, dtype=torch.bfloat16).model
     step = CpuStep(model)
     step.prepack()
-    assert step._amx_weights is not None and len(step._amx_weights) == 2
+    assert step._tile_weights is not None and len(step._tile_weights) == 2
     projections = [m for ly in model.layers for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
                                                          ly.mlp.gate_up_proj, ly.mlp.down_proj)]
     assert not any(m.is_packed for m in projections)  # AMX serves every step oneDNN would have
     old = amx.set_enabled(False)
     try:
         step.prepack()  # AMX off: back to oneDNN copies
-        assert step._amx_weights is None and all(m.is_packed for m in projections)
+        assert step._tile_weights is None and all(m.is_packed for m in projections)
     finally:
         amx.set_enabled(old)
     step.unpack()
-    assert step._amx_weights is None
+    assert step._tile_weights is None
 
 
 @needs_amx

@@ -109,7 +109,7 @@ def test_amx_stack_equals_forward_chunk_bitwise(model, prefilled, monkeypatch, n
     want_caches = [c.clone() for c in prefilled]
     ids, positions, md = _decode_inputs(n, pad)
     with torch.inference_mode():  # the per-layer route over amx.linear
-        want = cpu_step.forward_chunk(model, ids, positions, want_caches, md, step._amx_weights)
+        want = cpu_step.forward_chunk(model, ids, positions, want_caches, md, step._tile_weights)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
     # The step wrote each decode's K and V, and nothing else.
@@ -173,15 +173,15 @@ def test_amx_rows_and_weights_are_checked(model, prefilled):
     args = (prefilled, h, cos, sin, md.slot_mapping, md.block_table, md.seq_lens.long(), 512, 0.25)
     with pytest.raises(ValueError, match="amx=True needs a stack built with amx_weights and at most 64 rows"):
         plain.run(*args, amx=True)
-    tiled = cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5, step._amx_weights)
+    tiled = cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5, step._tile_weights)
     with pytest.raises(ValueError, match="got 65 rows"):
         tiled.run(*args, amx=True)
-    bad = [list(t) for t in step._amx_weights]
+    bad = [list(t) for t in step._tile_weights]
     bad[1][3] = bad[1][3].reshape(-1)
     with pytest.raises(ValueError, match=r"layer 1 down: amx weight must be amx.pack's .*\(4, 3, 16, 32"):
         cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5, bad)
     with pytest.raises(ValueError, match="need one .* per layer"):
-        cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5, step._amx_weights[:1])
+        cpu_kernels.DecodeStack(layers, 4, 2, 16, 1e-5, step._tile_weights[:1])
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -195,7 +195,7 @@ def head_model(request, tmp_path_factory):
 def test_a_vocabulary_the_tiles_do_not_take_keeps_the_onednn_head(model):
     step = CpuStep(model)
     step.prepack()
-    assert step._amx_lm_head is None and step._packed_lm_head is not None
+    assert step._tile_lm_head is None and step._packed_lm_head is not None
 
 
 @pytest.mark.parametrize("rows", [2, 9, 24, 64, 65])
@@ -203,7 +203,7 @@ def test_the_lm_head_of_many_rows_runs_on_amx_tiles(head_model, rows, monkeypatc
     model = head_model
     step = CpuStep(model)
     step.prepack()
-    assert step._amx_lm_head is not None and step._packed_lm_head is None
+    assert step._tile_lm_head is not None and step._packed_lm_head is None
     calls = []
     for name in ("rows_linear", "linear"):
         real = getattr(amx, name)

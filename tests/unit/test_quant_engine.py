@@ -194,8 +194,8 @@ def test_bfloat16_gguf_chunks_run_on_the_amx_gemm_near_the_onednn_path(files, mo
     monkeypatch.setattr(amx, "linear", lambda *a, **k: calls.append(bool(k.get("silu_mul"))) or real(*a, **k))
     layer = model.layers[0]
     gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
-    assert isinstance(gate_up, QuantLinear) and cpu_step.quant_on_amx(gate_up, x)
-    assert not cpu_step.quant_on_amx(gate_up, x[:12])  # the few-row kernel's rows stay its own
+    assert isinstance(gate_up, QuantLinear) and cpu_step.quant_on_tiles(gate_up, x)
+    assert not cpu_step.quant_on_tiles(gate_up, x[:12])  # the few-row kernel's rows stay its own
     got = cpu_step._project(gate_up, x, None, silu_mul=True)  # (40, I)
     assert calls == [True]
     ref_gu = gate_up(x)
