@@ -51,6 +51,10 @@ MAX_DECODE_STACK_ROWS_AMX = {torch.bfloat16: 64}
 # load 1.1, 2026-12-02): stack vs forward_chunk's oneDNN GEMMs 45.0 vs 58.4 ms at 16 rows, 73.2 vs 109.3
 # at 32, 155.6 vs 197.7 at 64, so 64 in bfloat16; float32 stays at 8 (66.2 vs 69.6 ms at 16 rows, above).
 MAX_DECODE_STACK_ROWS_DENSE = {torch.float32: 8, torch.bfloat16: 64}
+# The same when forward_chunk runs the projections on the vdpbf16ps GEMM (``segserve.kernels.bf16gemm``,
+# CPUs without AMX): measured alike (load 1.9-2.5), stack vs forward_chunk 46.6 vs 53.1 ms at 16 rows,
+# 72.4 vs 70.2 at 32 (minima 66.8 vs 59.7), 138.3 vs 132.8 at 64, so 16.
+MAX_DECODE_STACK_ROWS_BF16GEMM = {torch.bfloat16: 16}
 
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")

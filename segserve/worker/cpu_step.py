@@ -212,7 +212,8 @@ class CpuStep:
         """Rows up to which a decode-only step may run the one-call decode stack:
         ``MAX_DECODE_STACK_ROWS_BLOCKS`` for a model with GGUF-block projections,
         ``MAX_DECODE_STACK_ROWS_AMX`` for a dense bfloat16 one whose AMX tile copies :meth:`prepack`
-        made (while AMX stays on), ``MAX_DECODE_STACK_ROWS_DENSE`` for other dense ones, in the model's
+        made (while AMX stays on), ``MAX_DECODE_STACK_ROWS_BF16GEMM`` for one whose larger steps run on
+        the vdpbf16ps GEMM instead, ``MAX_DECODE_STACK_ROWS_DENSE`` for other dense ones, in the model's
         activation dtype (0 for a dtype the kernels do not take). The simulator's ``eager_step`` feature
         follows it (``StepComposition.stack_rows``)."""
         if self._has_blocks is None:
@@ -222,6 +223,8 @@ class CpuStep:
             limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS
         elif self._amx_fits(dtype, AMX_MIN_ROWS):
             limits = cpu_kernels.MAX_DECODE_STACK_ROWS_AMX
+        elif self._tiles_fit(dtype, AMX_MIN_ROWS):  # forward_chunk on the vdpbf16ps GEMM
+            limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BF16GEMM
         else:
             limits = cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE
         return limits.get(dtype, cpu_kernels.MAX_SMALL_ROWS.get(dtype, 0))

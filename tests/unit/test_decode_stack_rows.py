@@ -117,3 +117,14 @@ def test_dense_float32_decodes_over_eight_rows_keep_the_gemm_path(gguf, monkeypa
     assert cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE[torch.float32] < N
     _, _, paths = _step(_dense(gguf, torch.float32), monkeypatch)
     assert paths == ["chunk"]
+
+
+def test_dense_bfloat16_stack_limit_follows_the_gemm_that_takes_larger_steps(gguf):
+    from segserve.kernels import amx, bf16gemm
+
+    if amx.hardware_ready() or not bf16gemm.available():
+        pytest.skip("needs a CPU without AMX where the vdpbf16ps GEMM runs")
+    step = CpuStep(_dense(gguf, torch.bfloat16))
+    assert step.decode_stack_rows() == cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE[torch.bfloat16] == 64
+    step.prepack()  # the tile copies: steps above 8 rows now go to the vdpbf16ps GEMM
+    assert step.decode_stack_rows() == cpu_kernels.MAX_DECODE_STACK_ROWS_BF16GEMM[torch.bfloat16] == 16
