@@ -37,14 +37,9 @@ pack = amx.pack
 supports = amx.supports
 
 
-@cpu_kernels._sized
-class _GemmArgs(ctypes.Structure):
-    """``sg_bf16gemm_args`` (its fields are documented in the C source)."""
-
-    _fields_ = [
-        ("size", _L), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L), ("packed", _P), ("bias", _P),
-        ("y", _P), ("ldy", _L), ("ydt", _I), ("epilogue", _I),
-    ]
+# ``sg_bf16gemm_args`` has the fields of ``sg_amx_linear_args`` in the same order (the C source says so),
+# so one ctypes layout serves both.
+_GemmArgs = amx._LinearArgs
 
 
 @cpu_kernels._sized
