@@ -16,6 +16,7 @@ cost); the features are then fitted to the steps the table does not cover.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from segserve.simulator.step_model import (
@@ -91,15 +92,12 @@ def _fit_stack(samples: Sequence[tuple[StepComposition, float]]) -> tuple[dict[i
     import numpy as np
 
     steps = [(c, t) for c, t in samples if c.compiled_decode]
-    counts: dict[int, int] = {}
-    for c, _ in steps:
-        counts[c.padded_tokens] = counts.get(c.padded_tokens, 0) + 1
+    counts = Counter(c.padded_tokens for c, _ in steps)
     rows = sorted(r for r, n in counts.items() if n >= MIN_TABLE_SAMPLES)
     steps = [(c, t) for c, t in steps if c.padded_tokens in rows]
     if not rows or len(steps) < len(rows) + 1:
         return {}, 0.0
-    x = np.array([[float(c.padded_tokens == r) for r in rows] + [sum(s.prior + 1 for s in c.slices)]
-                  for c, _ in steps])
+    x = np.array([[float(c.padded_tokens == r) for r in rows] + [c.decode_context] for c, _ in steps])
     y = np.array([t for _, t in steps])
     keep = np.ones(len(y), dtype=bool)
     for _ in range(2):  # the fit, then once more without the outliers of the first

@@ -82,6 +82,11 @@ class StepComposition:
         return sum(s.chunk for s in self.slices if not s.is_decode)
 
     @property
+    def decode_context(self) -> int:
+        """Tokens the decodes attend to, their own included (``prior + 1`` each, summed), tokens."""
+        return sum(s.prior + 1 for s in self.slices if s.is_decode)
+
+    @property
     def compiled_decode(self) -> bool:
         """Whether the step is decodes only (one token each) on a compiled path, not ``eager``: the
         steps ``LinearStepModel.stack_base`` describes."""
@@ -100,7 +105,7 @@ class StepComposition:
         """The ``FEATURES`` vector: (1, padded rows, sampled rows, requests, prefill q-k pairs,
         decode context tokens, gathered KV tokens, 1 if the step is ``eager``)."""
         attn = sum(s.chunk * (s.prior + (s.chunk + 1) / 2) for s in self.slices if not s.is_decode)
-        ctx = sum(s.prior + 1 for s in self.slices if s.is_decode)
+        ctx = self.decode_context
         sampled = sum(1 for s in self.slices if s.samples)
         return (
             1.0, float(self.padded_tokens), float(sampled), float(len(self.slices)), attn, float(ctx),
@@ -205,7 +210,7 @@ class LinearStepModel:
     def predict(self, comp: StepComposition) -> float:
         base = self.stack_base.get(comp.padded_tokens) if self.stack_base and comp.compiled_decode else None
         if base is not None:
-            return base + self.stack_ctx * sum(s.prior + 1 for s in comp.slices)
+            return base + self.stack_ctx * comp.decode_context
         return sum(self.coefficients.get(n, 0.0) * x for n, x in zip(FEATURES, comp.features(), strict=True))
 
     def to_dict(self) -> dict:
