@@ -83,12 +83,7 @@ MAX_ROWS_LINEAR = 64
 
 def _library():
     """The compiled library with the AMX entry points' signatures set, or None."""
-    lib = cpu_kernels._library()
-    if lib is not None and lib.sg_amx_linear.argtypes is None:
-        for name, args in _ARGS.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
-    return lib
+    return cpu_kernels.typed(cpu_kernels._library(), _ARGS)
 
 
 def hardware_ready() -> bool:

@@ -54,12 +54,7 @@ _ARGS = {"sg_bf16gemm": _GemmArgs, "sg_bf16gemm_peak": _PeakArgs}
 
 def _library():
     """The compiled library with this kernel's entry points typed, or None."""
-    lib = cpu_kernels._library()
-    if lib is not None and lib.sg_bf16gemm.argtypes is None:
-        for name, args in _ARGS.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
-    return lib
+    return cpu_kernels.typed(cpu_kernels._library(), _ARGS)
 
 
 def available() -> bool:

@@ -164,16 +164,20 @@ _ERRORS = {-1: "unsupported shape", -2: "out of memory", -3: "row index outside 
            -5: "argument struct of another size (the library and cpu.py disagree on its layout)"}
 
 
+def typed(lib, args: dict[str, type]):
+    """``lib`` with each named entry point typed ``int fn(const args *)`` (its struct's ``ctypes``
+    mirror), once: the other kernel modules' ``_library`` call it on this library. None stays None."""
+    if lib is not None and getattr(lib, next(iter(args))).argtypes is None:
+        for name, struct in args.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.POINTER(struct)], ctypes.c_int
+    return lib
+
+
 def _library():
     global _lib
     if _lib is None:
-        lib = build.load()
-        if lib is None:
-            return None
-        for name, args in _ARGS.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
-        _lib = lib
+        _lib = typed(build.load(), _ARGS)
     return _lib
 
 

@@ -44,12 +44,7 @@ _ARGS = {"sg_f32gemm": _GemmArgs}
 
 
 def _library():
-    lib = quant._library()
-    if lib is not None and lib.sg_f32gemm.argtypes is None:
-        for name, args in _ARGS.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
-    return lib
+    return cpu_kernels.typed(quant._library(), _ARGS)
 
 
 def enabled() -> bool:

@@ -48,12 +48,7 @@ _ARGS = {"sg_qdequant": _DequantArgs}
 
 
 def _library():
-    lib = cpu_kernels._library()
-    if lib is not None and lib.sg_qdequant.argtypes is None:
-        for name, args in _ARGS.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
-    return lib
+    return cpu_kernels.typed(cpu_kernels._library(), _ARGS)
 
 
 def enabled() -> bool:
