@@ -44,6 +44,9 @@
 #ifndef Q_PF_GROUPS
 #define Q_PF_GROUPS 2
 #endif
+#ifndef Q_PF_ROW_GROUPS
+#define Q_PF_ROW_GROUPS 4
+#endif
 enum { Q_OK = 0, Q_ERR_SHAPE = -1, Q_ERR_ROW = -3, Q_ERR_LAYOUT = -5 };
 
 int64_t sg_quant_block_bytes(int wqt) {
@@ -92,7 +95,8 @@ static inline __attribute__((always_inline)) void qtile(int wqt, int nt, int mt,
         int64_t cb = nb - b0 < SCALE_CHUNK ? nb - b0 : SCALE_CHUNK;
         /* Every format's scales gathered first: converting Q8_0's d in the loop costs a convert and a
          * broadcast on the shuffle port per block and row; gathered, the loop broadcasts it from
-         * memory (M = 1, 8 rows, hot weights: 5.1 -> 4.7 cycles per block and row). */
+         * memory (measured at M = 1 on the AMX Xeon: 5.1 -> 4.7 cycles per block and row; on Zen 4,
+         * whose gathers are slow, M = 1 is faster without them: qtile_row). */
         for (int j = 0; j < nt; j++) load_scales(wqt, wr[j], bb, b0, cb, sd[j], sm[j]);
         for (int64_t c = 0; c < cb; c++) {
             int64_t b = b0 + c;
@@ -119,6 +123,32 @@ static inline __attribute__((always_inline)) void qtile(int wqt, int nt, int mt,
         for (int j = 0; j < nt; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+/* qtile for one row of x (the batch-1 decode step): each block's scales converted where it is read
+ * and its values going straight into their weight row's FMAs, so few registers are live. On Zen 4 the
+ * general tile's gathered scales and 8 rows of values in flight cost ~25 % (gathers are slow there);
+ * the sums are the same, in the same order. */
+static inline __attribute__((always_inline)) void qtile_row(int wqt, int nt, const uint8_t *const wr[8], int64_t nb,
+                                                            int64_t bb, const float *xf, float out[8][8]) {
+    __m512 acc[8];
+    for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 xl = _mm512_loadu_ps(xf + b * 32), xh = _mm512_loadu_ps(xf + b * 32 + 16);
+        /* The tile's bytes Q_PF_ROW_GROUPS tiles on, read in the order they lie (one line per 64
+         * bytes, where one prefetch per block and row asks for most lines two or three times): the
+         * LM head's 30 MB stream went from ~11 to ~27 GB/s with it on Zen 4 (2 threads). */
+        const char *ahead = (const char *)wr[0] + Q_PF_ROW_GROUPS * nt * nb * bb + b * nt * bb;
+        for (int64_t o = 0; o < nt * bb; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        for (int j = 0; j < nt; j++) {
+            const uint8_t *blk = wr[j] + b * bb;
+            __m512 lo, hi;
+            dequant_block(wqt, blk, half_at(blk), wqt == WQT_Q4_1 ? half_at(blk + 2) : 0.0f, &lo, &hi);
+            acc[j] = _mm512_fmadd_ps(lo, xl, acc[j]);
+            acc[j] = _mm512_fmadd_ps(hi, xh, acc[j]);
+        }
+    }
+    for (int j = 0; j < nt; j++) out[0][j] = _mm512_reduce_add_ps(acc[j]);
+}
+
 /* Rows m0 .. m0 + mt - 1 of the product, all N outputs, in tiles of NT weight rows. */
 #define QPASS(WQT, NT, MT)                                                                                 \
     do {                                                                                                   \
@@ -127,7 +157,8 @@ static inline __attribute__((always_inline)) void qtile(int wqt, int nt, int mt,
             float out[8][8];                                                                               \
             int64_t n0 = g * (NT);                                                                         \
             for (int j = 0; j < (NT); j++) wr[j] = wb + (n0 + j < N ? n0 + j : N - 1) * rb;                  \
-            qtile(WQT, NT, MT, wr, nb, bb, xf + m0 * ldxf, ldxf, out);                                     \
+            if ((MT) == 1) qtile_row(WQT, NT, wr, nb, bb, xf + m0 * ldxf, out);                             \
+            else qtile(WQT, NT, MT, wr, nb, bb, xf + m0 * ldxf, ldxf, out);                                \
             for (int i = 0; i < (MT); i++)                                                                 \
                 for (int j = 0; j < (NT) && n0 + j < N; j++)                                               \
                     epilogue(dt, ydt, accumulate, bias, out[i][j], n0 + j, y, (m0 + i) * ldy + n0 + j);    \
