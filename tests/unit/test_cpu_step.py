@@ -88,8 +88,9 @@ def _step(
 @pytest.mark.parametrize(
     "query_lens, kernels, expected",
     [
-        ([1, 1, 1], True, {"stack": 1, "linear": 0, "rope_": 0, "rows": 0}),  # decodes: one call in all
-        ([1, 4], True, {"stack": 0, "linear": 8, "rope_": 2, "rows": 0}),  # 5 rows: 4 linears + a rope_ each
+        # decodes: one call for the layers, one row pass for the final norm
+        ([1, 1, 1], True, {"stack": 1, "linear": 0, "rope_": 0, "rows": 1}),
+        ([1, 4], True, {"stack": 0, "linear": 8, "rope_": 2, "rows": 1}),  # 5 rows: 4 linears + a rope_ each
         # 12 rows: oneDNN GEMMs; per layer rope_ and 3 row passes (add+norm twice, SiLU gate), + the first
         # layer's norm alone (the last layer's second add+norm is the final norm).
         ([1, 8, 3], True, {"stack": 0, "linear": 0, "rope_": 2, "rows": 7}),
@@ -108,7 +109,7 @@ def test_reference_backend_decodes_take_the_per_layer_path(tiny_dir, calls) -> N
     # The one-call step computes the segmented backend's attention itself: not over another backend.
     model = load_model(tiny_dir, dtype=torch.float32, attn_backend="reference").model
     got, want = _step(model, [1, 1, 1], True)
-    assert calls == {"stack": 0, "linear": 8, "rope_": 2, "rows": 0}
+    assert calls == {"stack": 0, "linear": 8, "rope_": 2, "rows": 1}
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 

@@ -96,6 +96,19 @@ def test_the_loader_keeps_blocks_and_no_float_copy(files):
     assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in dense.modules())
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_an_embedding_lookup_outside_the_vocabulary_is_named_on_both_paths(files, kernel):
+    embed = load_model(files["tied"]).model.embed_tokens  # 300 rows
+    old = quant.set_enabled(kernel)
+    try:
+        assert embed(torch.tensor([0, 299])).shape == (2, 64)
+        for bad in ([5, 300], [-1]):
+            with pytest.raises(ValueError, match=r"a token id is outside \[0, 300\)"):
+                embed(torch.tensor(bad))
+    finally:
+        quant.set_enabled(old)
+
+
 def test_a_type_without_a_native_kernel_is_dequantized_with_one_note(files, tmp_path, caplog):
     path = tmp_path / "mixed.gguf"
     hf = tiny_hf_model(vocab_size=300, tie=False)

@@ -73,11 +73,11 @@ static inline void epilogue(int dt, int ydt, int accumulate, const void *bias, f
 }
 
 /* The row-tile dispatch both block kernels share: rows per tile mt (1..8, as the caller split M) picks
- * how many weight rows a tile takes (8 for one row, 4 for 2-4, 2 for 5-8: the accumulators a tile keeps
+ * how many weight rows a tile takes (4 for 1-4 rows, 2 for 5-8: the accumulators a tile keeps
  * in registers), sets `groups` (tiles over N) and runs PASS(WQT, NT, MT) over them. */
 #define Q_PASS_FOR_ROWS(PASS, WQT)                                                                         \
     switch (mt) {                                                                                          \
-    case 1: groups = (N + 7) / 8; PASS(WQT, 8, 1); break;                                                  \
+    case 1: groups = (N + 3) / 4; PASS(WQT, 4, 1); break;                                                  \
     case 2: groups = (N + 3) / 4; PASS(WQT, 4, 2); break;                                                  \
     case 3: groups = (N + 3) / 4; PASS(WQT, 4, 3); break;                                                  \
     case 4: groups = (N + 3) / 4; PASS(WQT, 4, 4); break;                                                  \
