@@ -5,7 +5,8 @@ detokenization), with each projection's achieved GB/s against the machine's read
 (``--read-gbs``, default 29: this host's figure, measured with a compiled streaming loop on a quiet
 machine; PyTorch's reductions are too slow to measure it).
 
-Runs the default model (Q4_1 SmolLM2) or ``--model FILE`` with ``--dtype``: one request of a
+Runs the default model (Q4_1 SmolLM2) or ``--model FILE`` (a GGUF file, or a dense model's directory:
+the GB/s are then those of its dense weights) with ``--dtype``: one request of a
 ``--prompt-len``-token prompt decoding ``--tokens`` tokens, greedy, ``--rounds`` times. Inside the stack
 the phases come from the library's own clock (``cpu.stack_timing``: its first thread's time per phase,
 each up to the end of its closing barrier, so waiting for the other thread counts); the rest from
@@ -57,6 +58,12 @@ class Timers:
                 self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
 
         setattr(obj, attr, timed)
+
+
+def _weight_bytes(mod) -> int:
+    """Bytes a projection streams per step: its GGUF blocks, or its dense weight (a dense model)."""
+    q = getattr(mod, "quant_weight", None)
+    return q.nbytes if q is not None else mod.weight.numel() * mod.weight.element_size()
 
 
 def main() -> None:
@@ -134,17 +141,17 @@ def main() -> None:
     bw = args.read_gbs
     gbs = {}
     for name, mod in mods.items():
-        nbytes = mod.quant_weight.nbytes * nl
-        gbs[name] = nbytes / (med[f"stack_{name}"] * 1e-3) / 1e9
+        gbs[name] = _weight_bytes(mod) * nl / (med[f"stack_{name}"] * 1e-3) / 1e9
     head = model.quantized_lm_head
-    if head is not None:
-        gbs["lm_head"] = head.nbytes / (med["lm_head"] * 1e-3) / 1e9
+    dense_head = None if head is not None else model.lm_head_weight
+    head_bytes = head.nbytes if head is not None else dense_head.numel() * dense_head.element_size()
+    gbs["lm_head"] = head_bytes / (med["lm_head"] * 1e-3) / 1e9
     rep = {
         "model": args.model or "default", "dtype": args.dtype, "int8": quant.int8_enabled(),
         "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
         "load_avg": os.getloadavg(), "ms_per_token_median": med, "ms_per_token_min": mins,
         "derived_ms": derived, "gb_s": gbs, "read_gb_s": bw,
-        "weight_bytes": sum(m.quant_weight.nbytes for m in mods.values()) * nl + (head.nbytes if head else 0),
+        "weight_bytes": sum(_weight_bytes(m) for m in mods.values()) * nl + head_bytes,
     }
     print(f"load {os.getloadavg()}  (ms per decode token: median / min over rounds)")
     for k in med:
