@@ -11,6 +11,7 @@ Q8_0 blocks (with float and, where the CPU has VNNI, int8 activations). Tiny mod
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -172,3 +173,20 @@ def test_more_decodes_than_own_merge_rows_equal_the_per_kernel_path(files, qtype
     """Ten decodes (block models take the stack up to 64 rows): the shared attention merge path."""
     model = load_model(files[qtype], dtype=torch.float32).model
     _assert_same(model, monkeypatch, MANY_PROMPTS, MANY_ROWS)
+
+
+@pytest.mark.parametrize("source", ["hf", "Q4_1"])
+def test_stack_barriers_hold_with_more_threads_than_cores(files, source, monkeypatch) -> None:
+    # segserve_team_sync.h's adaptive barrier: with more threads than cores some waits outlast the spin
+    # budget and sleep on the futex (and shrink the budget); every step must still equal the per-kernel
+    # path, whose regions use libgomp's own barriers.
+    model = load_model(files[source], dtype=torch.float32).model
+    old = torch.get_num_threads()
+    torch.set_num_threads((os.cpu_count() or 2) + 1)
+    try:
+        h_layers, _ = _step(model, False, monkeypatch)
+        for _ in range(5):
+            h_stack, _ = _step(model, True, monkeypatch)
+            assert torch.equal(h_stack[:3], h_layers[:3])
+    finally:
+        torch.set_num_threads(old)

@@ -37,6 +37,11 @@
 #include "segserve_simd.h"
 #include "segserve_quant.h"
 #include "segserve_amx_team.h"
+#include "segserve_team_sync.h"
+
+/* segserve_team_sync.h's shared spin budget and per-thread barrier pointer. */
+atomic_int sg_sync_spin = 4096;
+__thread team_barrier *sg_sync_cur = NULL;
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 #error "segserve CPU kernels need AVX-512F and AVX-512 BF16"
@@ -322,7 +327,7 @@ static void dense_tiles(const sg_linear_args *a, const void *xin, int64_t ld) {
     const int64_t M = a->M, N = a->N, K = a->K, ldy = a->ldy;
     const void *w = a->w, *bias = a->bias;
     void *y = a->y;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t n0 = 0; n0 < N; n0 += NT) {
         __m128 acc[MT];
         __m128 b = _mm_setzero_ps();
@@ -353,6 +358,7 @@ static void dense_tiles(const sg_linear_args *a, const void *xin, int64_t ld) {
             }
         }
     }
+    team_sync();
 }
 
 /* The product itself, shared by the calling team (or run alone outside a region): dense tiles here, or
@@ -848,7 +854,7 @@ static void attention_team(const sg_decode_attention_args *a, const att_plan *p,
     const char *kc = (const char *)cache;
     const char *vc = kc + (size_t)num_blocks * block_size * Hkv * D * es;
     float qf[MAX_G * MAX_D];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < items; it++) {
         int64_t sidx = it / Hkv, h = it % Hkv, j = 0;
         int64_t lo = 0, hi = n - 1; /* decode j with first[j] <= sidx < first[j + 1] */
@@ -884,12 +890,14 @@ static void attention_team(const sg_decode_attention_args *a, const att_plan *p,
 #undef CASES
 #undef SEGMENT
     }
+    team_sync();
     if (own_out) {
         for (int64_t pi = 0; pi < n * Hkv; pi++) merge_one(a, p, pi, own_out);
         return;
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t pi = 0; pi < n * Hkv; pi++) merge_one(a, p, pi, a->out);
+    team_sync();
 }
 
 /* sg_decode_attention without its checks: plan, then one region for the segments and the merge.
@@ -1168,8 +1176,11 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         /* layer_amx's SiLU-gated rows (M, I) go in the (M, 2 I) gate_up buffer. */
         const amx_step st = {.a = a, .rope = &rope, .plan = &plan, .qkv = (uint16_t *)qkv, .attn = attn, .xn = xn,
                              .act = gate_up};
+        /* The step's ~150 barriers spin adaptively (segserve_team_sync.h); the AMX layers keep omp's. */
+        team_barrier bar = {0};
 #pragma omp parallel
         {
+            team_sync_enter(&bar);
             int64_t *tl = NULL, t_last = 0;
 #define STAMP(phase)                                                                                       \
     if (tl) {                                                                                              \
@@ -1228,6 +1239,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
             }
 #undef STAMP
             if (a->amx) sg_team_tiles_end();
+            team_sync_leave();
             free(buf);
             free(scores);
             free(own);

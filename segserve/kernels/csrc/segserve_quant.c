@@ -37,6 +37,7 @@
 #include "segserve_quant.h"
 #include "segserve_quant_inl.h"
 #include "segserve_simd.h"
+#include "segserve_team_sync.h"
 
 #if !defined(__AVX512F__) || !defined(__F16C__)
 #error "segserve quantized kernels need AVX-512F and F16C"
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) void qtile_row(int wqt, int nt, con
 /* Rows m0 .. m0 + mt - 1 of the product, all N outputs, in tiles of NT weight rows. */
 #define QPASS(WQT, NT, MT)                                                                                 \
     do {                                                                                                   \
-        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {                         \
+        _Pragma("omp for schedule(static) nowait") for (int64_t g = 0; g < groups; g++) {                  \
             const uint8_t *wr[8];                                                                          \
             float out[8][8];                                                                               \
             int64_t n0 = g * (NT);                                                                         \
@@ -167,6 +168,7 @@ static inline __attribute__((always_inline)) void qtile_row(int wqt, int nt, con
                 for (int j = 0; j < (NT) && n0 + j < N; j++)                                               \
                     epilogue(dt, ydt, accumulate, bias, out[i][j], n0 + j, y, (m0 + i) * ldy + n0 + j);    \
         }                                                                                                  \
+        team_sync();                                                                                       \
     } while (0)
 
 int sg_quant_matmul(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,

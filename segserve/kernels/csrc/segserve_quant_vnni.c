@@ -40,6 +40,7 @@
 
 #include "segserve_quant.h"
 #include "segserve_quant_inl.h"
+#include "segserve_team_sync.h"
 
 enum { V_OK = 0, V_ERR_SHAPE = -1, V_ERR_NOMEM = -2 };
 #ifndef PF_GROUPS
@@ -169,7 +170,7 @@ static inline __attribute__((always_inline)) void qtile_i8(int wqt, int nt, int 
 
 #define VPASS(WQT, NT, MT)                                                                                 \
     do {                                                                                                   \
-        _Pragma("omp for schedule(static)") for (int64_t g = 0; g < groups; g++) {                         \
+        _Pragma("omp for schedule(static) nowait") for (int64_t g = 0; g < groups; g++) {                  \
             const uint8_t *wr[8];                                                                          \
             float out[8][8];                                                                               \
             int64_t n0 = g * (NT);                                                                         \
@@ -179,6 +180,7 @@ static inline __attribute__((always_inline)) void qtile_i8(int wqt, int nt, int 
                 for (int j = 0; j < (NT) && n0 + j < N; j++)                                               \
                     epilogue(dt, ydt, accumulate, bias, out[i][j], n0 + j, y, (m0 + i) * ldy + n0 + j);    \
         }                                                                                                  \
+        team_sync();                                                                                       \
     } while (0)
 
 size_t sg_quant_i8_scratch_bytes(int64_t M, int64_t K) {
@@ -198,10 +200,11 @@ int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K
     struct xrows xr = {.np = np, .q = (int8_t *)buf, .dx = (float *)(buf + nq), .c0 = (int32_t *)(buf + nq + nf * 4),
                 .xs = (float *)(buf + nq + 2 * nf * 4)};
     /* Rows are independent; the loop's closing barrier publishes them before any tile reads them. */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t m = 0; m < M; m++)
         quantize_row(wqt, xf + m * ldxf, nb, np, xr.q + m * np * 64, xr.dx + m * np * 16, xr.c0 + m * np * 16,
                      xr.xs + m * 2 * np);
+    team_sync();
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
         int mt = M - m0 < 8 ? (int)(M - m0) : 8;
         int64_t groups;
