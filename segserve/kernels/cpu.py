@@ -11,6 +11,7 @@ Switches: ``SEGSERVE_CPU_KERNELS=0`` in the environment turns the kernels off fo
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -141,7 +142,8 @@ class _DecodeStackArgs(ctypes.Structure):
         ("M", _L), ("H", _L), ("I", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("eps", _F), ("h", _P),
         ("cos", _P), ("ssin", _P), ("num_blocks", _L), ("block_size", _L), ("n", _L), ("slot_mapping", _P),
         ("rows", _P), ("block_table", _P), ("ld_bt", _L), ("reqs", _P), ("lens", _P), ("seg", _L),
-        ("scale", _F), ("xq8", _I), ("amx", _I),
+        ("scale", _F), ("xq8", _I), ("amx", _I), ("final_norm", _P), ("lm_w", _P), ("lm_wqt", _I),
+        ("vocab", _L), ("hidden", _P), ("logits", _P),
     ]
 
 
@@ -573,6 +575,18 @@ def _raise_decode_error(
         raise ValueError(f"a decode walks a block id outside [1, {num_blocks}) (0 is the null block)")
 
 
+@dataclass(frozen=True)
+class StackHead:
+    """What :meth:`DecodeStack.run` computes after the layers when given one: the final norm's
+    ``norm_weight`` ``(H,)``, the LM head's ``weight`` ``(vocab, H)`` (a tensor or GGUF blocks), and the
+    outputs ``hidden`` ``(M, H)`` (the normed rows) and ``logits`` ``(M, vocab)`` float32."""
+
+    norm_weight: torch.Tensor
+    weight: torch.Tensor | QuantWeight
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
 class DecodeStack:
     """Every layer's weights as ``sg_decode_stack`` reads them: pointers, built once per model (with the
     step's argument struct, of which :meth:`run` sets only the step's own fields), dtype and cache shape
@@ -680,6 +694,26 @@ class DecodeStack:
                         f"tensor of a dense ({rows}, {cols}) weight, got {tuple(t.shape)} {t.dtype}"
                     )
 
+    def _check_head(self, head: StackHead, m: int, amx: bool) -> None:
+        """ValueError unless ``head`` fits a step of ``m`` rows (see :meth:`run`)."""
+        w, h = head.weight, self.hidden
+        if amx:
+            raise ValueError("head is not taken with amx=True")
+        if isinstance(w, QuantWeight):
+            if w.shape[1] != h or w.data.device.type != "cpu":
+                raise ValueError(f"head weight: need (vocab, {h}) blocks on CPU, got {w.shape}")
+        elif w.dim() != 2 or w.shape[1] != h or w.dtype != self.dtype or not supports_linear(w):
+            raise ValueError(f"head weight: need a contiguous (vocab, {h}) {self.dtype} CPU tensor, vocab a "
+                             f"multiple of 4, got {tuple(w.shape)} {w.dtype}")
+        nw = head.norm_weight
+        if nw.dtype != self.dtype or nw.shape != (h,) or not nw.is_contiguous() or nw.device.type != "cpu":
+            raise ValueError(f"head norm_weight must be a contiguous ({h},) {self.dtype} CPU tensor")
+        for name, t, dtype, shape in (("hidden", head.hidden, self.dtype, (m, h)),
+                                      ("logits", head.logits, torch.float32, (m, w.shape[0]))):
+            if t.dtype != dtype or t.shape != shape or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"head {name} must be a contiguous {shape} {dtype} CPU tensor, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+
     def run(
         self,
         kv_caches: list[torch.Tensor],
@@ -693,6 +727,7 @@ class DecodeStack:
         scale: float,
         int8: bool = False,
         amx: bool = False,
+        head: StackHead | None = None,
     ) -> torch.Tensor:
         """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned;
         ``kv_caches`` one per layer, each of the shape the stack was built for. ``int8``: the GGUF-block
@@ -700,6 +735,10 @@ class DecodeStack:
         caller checks the library has that kernel). ``amx``: the projections as AMX tile products of the
         stack's ``amx_weights`` (up to ``MAX_DECODE_STACK_ROWS_AMX`` rows; the caller checks
         ``amx.available()``), the same bits as ``forward_chunk`` over ``amx.linear``.
+        ``head`` (not with ``amx``): after the layers, in the same call, ``head.hidden`` ``(M, H)`` =
+        RMSNorm(h) * ``head.norm_weight`` (``add_rmsnorm_``'s bits) and ``head.logits`` ``(M, vocab)``
+        float32 = ``hidden @ head.weight.T`` (``linear`` / ``quant.linear`` with a float32 output, bit
+        for bit; ``head.weight`` a ``(vocab, H)`` tensor of h's dtype or GGUF blocks).
 
         Rows ``0..n-1`` are the decodes (row ``j`` is block-table row ``j``), ``n = len(lens)``; the
         rest are padding. ``cos``/``sin`` ``(M, D)`` float32 RoPE rows; ``slot_mapping`` ``(n,)``
@@ -747,6 +786,16 @@ class DecodeStack:
         a.reqs = a.rows  # decode j is batch row j and block-table row j
         a.block_table, a.ld_bt, a.lens = block_table.data_ptr(), block_table.shape[1], lens.data_ptr()
         a.seg, a.scale, a.xq8, a.amx = kv_segment_size, scale, bool(int8), bool(amx)
+        a.final_norm = a.lm_w = a.hidden = a.logits = None
+        a.lm_wqt, a.vocab = 0, 0
+        if head is not None:
+            self._check_head(head, m, amx)
+            w = head.weight
+            a.final_norm, a.hidden = head.norm_weight.data_ptr(), head.hidden.data_ptr()
+            a.logits = head.logits.data_ptr()
+            a.lm_w = (w.data if isinstance(w, QuantWeight) else w).data_ptr()
+            a.lm_wqt = w.wqt if isinstance(w, QuantWeight) else 0
+            a.vocab = w.shape[0]
         rc = _library().sg_decode_stack(a)
         if rc == -1:
             raise ValueError(

@@ -83,6 +83,9 @@ class CpuStep:
         self._tile_weights: list[tuple[torch.Tensor, ...]] | None = None
         # The LM head in the same layout, made with them (instead of the oneDNN copy).
         self._tile_lm_head: torch.Tensor | None = None
+        # (hidden, logits) of the last decode-stack step that computed its head in the same call, for
+        # logits_of; forgotten when read or when another step runs.
+        self._step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepack(self) -> int:
         """Pre-pack every projection and the LM head for oneDNN (float32 or bfloat16 on CPU; see
@@ -155,6 +158,7 @@ class CpuStep:
                 before anything is written) a slot or block id lies outside the caches.
         """
         model = self.model
+        self._step_logits = None
         dtype, device = model.activation_dtype, model.norm.weight.device
         if not self._kernels_fit(dtype, device):
             return model(input_ids, positions, kv_caches, metadata)
@@ -169,9 +173,13 @@ class CpuStep:
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
         if stack is not None:  # a decode-only step: every layer in one compiled call
             tiles = stack.amx and rows >= AMX_STACK_MIN_ROWS  # a dense bfloat16 step: AMX products
+            head = None if tiles else self._stack_head(rows, dtype)
             stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
                       metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale,
-                      int8=quant.int8_enabled(), amx=tiles)
+                      int8=quant.int8_enabled(), amx=tiles, head=head)
+            if head is not None:  # the final norm and the logits came out of the same call
+                self._step_logits = (head.hidden, head.logits)
+                return head.hidden
             # forward_chunk's final norm (sg_rows): the AMX step then equals it bit for bit, and one call
             # instead of PyTorch's six ops is ~0.1 ms of a ~7 ms batch-1 step.
             return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps)
@@ -241,6 +249,37 @@ class CpuStep:
             and getattr(self.model.layers[0].self_attn.attn_backend, "name", None)
             == SegmentedAttentionBackend.name
         )
+
+    def _stack_head(self, rows: int, dtype: torch.dtype) -> cpu_kernels.StackHead | None:
+        """The final norm and LM head for the decode stack to run in its own call (``DecodeStack.run``'s
+        ``head``), when :meth:`compute_logits` would take the same kernel for ``rows`` rows (so the logits
+        are its bits): GGUF blocks up to ``quant_linear.SMALL_ROWS`` rows (``quant.linear``), or a dense
+        head of the activation dtype up to ``MAX_SMALL_ROWS`` without an AMX tile copy
+        (``cpu_kernels.linear``); else None."""
+        model = self.model
+        weight = model.quantized_lm_head
+        if weight is not None:
+            if rows > QUANT_SMALL_ROWS.get(dtype, 0) or not quant.enabled():
+                return None
+        else:
+            weight = model.lm_head_weight
+            small = rows <= cpu_kernels.MAX_SMALL_ROWS.get(dtype, 0)
+            if self._tile_lm_head is not None or weight.dtype != dtype or not small \
+                    or not cpu_kernels.supports_linear(weight):
+                return None
+        return cpu_kernels.StackHead(
+            model.norm.weight, weight, torch.empty(rows, weight.shape[1], dtype=dtype),
+            torch.empty(rows, weight.shape[0], dtype=torch.float32),
+        )
+
+    def logits_of(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``compute_logits(hidden[rows])``: ``(len(rows), vocab)`` float32, a new tensor. When ``hidden``
+        is what :meth:`forward` just returned from a decode-stack step that computed its logits in the
+        same call, those rows of them (the same bits); otherwise the LM head runs now."""
+        fused, self._step_logits = self._step_logits, None
+        if fused is not None and fused[0] is hidden:
+            return fused[1][rows]
+        return self.compute_logits(hidden[rows])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``

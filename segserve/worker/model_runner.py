@@ -154,7 +154,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, order, so, metadata)
         sampled, logprobs = {}, {}
         if due:
-            logits = self.cpu_step.compute_logits(hidden[[ends[i] - 1 for i in due]])  # (N, V) float32
+            logits = self.cpu_step.logits_of(hidden, [ends[i] - 1 for i in due])  # (N, V) float32
             rids = [order[i] for i in due]
             states = [self.requests[rid] for rid in rids]
             # Logprobs are those of the model's raw logits, before any processing (vLLM's default

@@ -88,8 +88,8 @@ def _step(
 @pytest.mark.parametrize(
     "query_lens, kernels, expected",
     [
-        # decodes: one call for the layers, one row pass for the final norm
-        ([1, 1, 1], True, {"stack": 1, "linear": 0, "rope_": 0, "rows": 1}),
+        # decodes: one call in all (the final norm and the LM head inside it)
+        ([1, 1, 1], True, {"stack": 1, "linear": 0, "rope_": 0, "rows": 0}),
         ([1, 4], True, {"stack": 0, "linear": 8, "rope_": 2, "rows": 1}),  # 5 rows: 4 linears + a rope_ each
         # 12 rows: oneDNN GEMMs; per layer rope_ and 3 row passes (add+norm twice, SiLU gate), + the first
         # layer's norm alone (the last layer's second add+norm is the final norm).

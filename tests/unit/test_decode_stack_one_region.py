@@ -190,3 +190,61 @@ def test_stack_barriers_hold_with_more_threads_than_cores(files, source, monkeyp
             assert torch.equal(h_stack[:3], h_layers[:3])
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("source, dtype", [("hf", torch.float32), ("hf", torch.bfloat16),
+                                           ("Q4_1", torch.float32), ("Q8_0", torch.float32),
+                                           ("Q4_1", torch.bfloat16)])
+def test_the_stacks_own_head_gives_the_lm_heads_logits_bitwise(files, source, dtype) -> None:
+    # A decode-stack step computes the final norm and the logits in its own call (StackHead): they must
+    # be the bits add_rmsnorm_ and compute_logits give for the same step's layers.
+    model = load_model(files[source], dtype=dtype).model
+    caches = new_caches(model, 64, BLOCK)
+    with cpu_kernels.disabled():
+        for prompt, row in zip(PROMPTS, ROWS, strict=True):
+            md = build_attention_metadata([len(prompt)], [0], [row], BLOCK, 16, 512)
+            model(torch.tensor(prompt), torch.arange(len(prompt)), caches, md)
+    priors = [len(p) for p in PROMPTS]
+    md = build_attention_metadata([1, 1, 1], priors, ROWS, BLOCK, 16, 512)
+    ids, pos = torch.tensor([7, 8, 9]), torch.tensor(priors)
+    old = cpu_kernels.set_enabled(True)
+    try:
+        step = CpuStep(model)
+        saved = [c.clone() for c in caches]
+        hidden = step.forward(ids, pos, caches, md)
+        assert step._step_logits is not None and step._step_logits[0] is hidden  # the head ran in the call
+        fused = step.logits_of(hidden, [2, 0])
+        assert step._step_logits is None  # read once
+        step._stack_head = lambda rows, dtype: None  # the same step with the head in its own calls
+        plain_hidden = step.forward(ids, pos, saved, md)
+        want = step.logits_of(plain_hidden, [2, 0])
+    finally:
+        cpu_kernels.set_enabled(old)
+    assert torch.equal(hidden, plain_hidden)
+    assert fused.shape == (2, model.config.vocab_size) and fused.dtype == torch.float32
+    assert torch.equal(fused, want)
+    assert torch.equal(fused, step.compute_logits(hidden[[2, 0]]))
+
+
+def test_a_bad_stack_head_is_refused_by_name(files) -> None:
+    model = load_model(files["hf"], dtype=torch.float32).model
+    caches = new_caches(model, 64, BLOCK)
+    step = CpuStep(model)
+    md = build_attention_metadata([1], [0], [[1]], BLOCK, 16, 512)
+    stack = step.decode_stack(torch.tensor([3]), caches, md)
+    assert stack is not None
+    h, cos, sin = torch.zeros(1, 64), *model.rope_at(torch.tensor([0]))
+    args = (caches, h, cos, sin, md.slot_mapping, md.block_table, md.seq_lens.long(), 512, 0.25)
+    w, vocab = model.lm_head_weight, model.lm_head_weight.shape[0]
+    good = dict(norm_weight=model.norm.weight, weight=w, hidden=torch.empty(1, 64),
+                logits=torch.empty(1, vocab))
+    for field, bad, match in (
+        ("logits", torch.empty(1, vocab, dtype=torch.bfloat16), "head logits"),
+        ("hidden", torch.empty(2, 64), "head hidden"),
+        ("norm_weight", torch.ones(32), "head norm_weight"),
+        ("weight", w[:, :32].contiguous(), "head weight"),
+    ):
+        head = cpu_kernels.StackHead(**(good | {field: bad}))
+        with pytest.raises(ValueError, match=match):
+            stack.run(*args, head=head)
+    assert caches[0].abs().sum() == 0  # refused before anything was written

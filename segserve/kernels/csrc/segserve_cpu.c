@@ -985,6 +985,12 @@ typedef struct {
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
     int32_t amx;                 /* nonzero: projections on AMX tiles (layers' *_amx, bf16, 1-64 rows) */
+    const void *final_norm;      /* (H,) dt: the final norm's weight, read when lm_w is set */
+    const void *lm_w;            /* (vocab, H) dt values or GGUF blocks of lm_wqt, or NULL: no head */
+    int32_t lm_wqt;              /* sg_linear_args.wqt of lm_w */
+    int64_t vocab;               /* rows of lm_w */
+    void *hidden;                /* (M, H) dt: the normed rows */
+    float *logits;               /* (M, vocab) float32 */
 } sg_decode_stack_args;
 
 /* Phases of a decode-stack layer that sg_stack_timing accumulates, in order. */
@@ -1105,6 +1111,11 @@ static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_att
  * With a->amx (bfloat16 steps of up to 64 rows; CpuStep sets it from 2) each layer is layer_amx
  * instead: the projections as AMX tile products of prepacked weights inside the same region.
  *
+ * With a->lm_w (not with amx) the step's head follows in the same region: hidden = RMSNorm(h) *
+ * final_norm (sg_rows' code), then logits = hidden . lm_w^T as sg_linear computes it with a float32
+ * output (the LM head's own call, bit for bit). That spares the ~0.5 ms of Python a batch-1 step paid
+ * between three calls, run with its caches cold from the step's weight stream.
+ *
  * Rows 0..n-1 of h are the decodes (row j is request j of the block table); rows n..M-1 are padding:
  * computed, never written to the cache, given zero attention output. Returns OK, ERR_LAYOUT,
  * ERR_SHAPE / ERR_ROW / ERR_BLOCK (checked up front: nothing written) or ERR_NOMEM. */
@@ -1136,6 +1147,13 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = I, .ldx = 2 * I,
          .prologue = PRO_SILU_MUL, .ldy = H, .accumulate = 1, .xq8 = a->xq8}};
     int any_block = 0;
+    sg_linear_args head = {.size = sizeof(sg_linear_args), .dt = dt, .ydt = DT_F32, .M = M, .N = a->vocab, .K = H,
+                           .x = a->hidden, .ldx = H, .prologue = PRO_NONE, .w = a->lm_w, .wqt = a->lm_wqt,
+                           .y = a->logits, .ldy = a->vocab, .xq8 = a->xq8};
+    if (a->lm_w) {
+        if (a->amx || !a->final_norm || !a->hidden || !a->logits || linear_shape(&head) != OK) return ERR_SHAPE;
+        any_block |= a->lm_wqt != WQT_DENSE;
+    }
     for (int64_t l = 0; l < a->num_layers; l++) {
         const sg_layer *ly = &a->layers[l];
         const int32_t wqt[4] = {ly->qkv_wqt, ly->o_wqt, ly->gate_up_wqt, ly->down_wqt};
@@ -1238,6 +1256,15 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 STAMP(PH_DOWN)
             }
 #undef STAMP
+            if (a->lm_w && !failed) {
+#pragma omp for schedule(static) nowait
+                for (int64_t m = 0; m < M; m++)
+                    prologue_row(dt, PRO_RMSNORM, H, h, H, m, a->final_norm, a->eps, a->hidden);
+                team_sync();
+                int64_t ld;
+                const void *xin = linear_input(&head, buf, &ld);
+                linear_tiles(&head, xin, ld, i8);
+            }
             if (a->amx) sg_team_tiles_end();
             team_sync_leave();
             free(buf);
