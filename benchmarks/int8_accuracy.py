@@ -48,21 +48,21 @@ def prompts(llm: LLM) -> dict[str, list[int]]:
 def run(llm: LLM, ids: list[int], n: int, int8: bool) -> tuple[list[int], list[torch.Tensor]]:
     step = llm.llm_engine.runner.cpu_step
     logits: list[torch.Tensor] = []
-    inner = step.compute_logits
+    inner = step.logits_of  # every sampled step's logits, whether the decode stack made them or not
 
-    def recording(hidden: torch.Tensor) -> torch.Tensor:
-        out = inner(hidden)
+    def recording(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        out = inner(hidden, rows)
         logits.append(out.clone())
         return out
 
-    step.compute_logits = recording
+    step.logits_of = recording
     old = quant.set_int8(int8)
     try:
         res = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=n),
                            use_tqdm=False)
     finally:
         quant.set_int8(old)
-        step.compute_logits = inner
+        step.logits_of = inner
     return list(res[0].outputs[0].token_ids), logits
 
 

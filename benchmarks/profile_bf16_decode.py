@@ -5,7 +5,7 @@ The engine (``LLM(--model, dtype=--dtype)``) prefills the largest batch's reques
 ``--prompt-len``-token prompts); for each batch size ``b`` a decode-only step of the first ``b`` (each
 decoding its last prompt token again, at a context of ``--prompt-len``; padded to the engine's bucket
 as the scheduler pads it) is replayed ``--reps`` times as ``ModelRunner.execute_model`` runs it:
-``CpuStep.forward``, ``compute_logits`` of the rows, ``sample`` (greedy). Every rep rewrites the same
+``CpuStep.forward``, ``logits_of`` the rows, ``sample`` (greedy). Every rep rewrites the same
 K/V slots with the same values, so it computes the same step.
 
 ``--mode profile``: timers around each kernel call of the step (GEMMs per projection and which kernel
@@ -141,7 +141,7 @@ def run_step(cs, args, params) -> torch.Tensor:
     hidden = cs.forward(*args)
     md = args[3]
     ends = md.query_start_loc_cpu[1:]
-    logits = cs.compute_logits(hidden[[e - 1 for e in ends]])
+    logits = cs.logits_of(hidden, [e - 1 for e in ends])
     out = sample(logits, params, [None] * len(params), [1] * len(params), None)
     return torch.tensor(out.token_ids)
 
