@@ -60,15 +60,22 @@ def files(tmp_path_factory):
 
 
 @torch.inference_mode()
-def _step(model, one_region: bool, monkeypatch, prompts=PROMPTS, rows=ROWS
-          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Prefill the prompts eagerly, then one decode step of the requests plus a padding row, through
-    the decode stack (``one_region``) or through ``forward_small`` layer by layer."""
+def _prefilled(model, prompts, rows) -> list[torch.Tensor]:
+    """New caches holding each prompt's K/V in its block-table row, written by the eager model."""
     caches = new_caches(model, 64, BLOCK)
     with cpu_kernels.disabled():
         for prompt, row in zip(prompts, rows, strict=True):
             md = build_attention_metadata([len(prompt)], [0], [row], BLOCK, 16, 512)
             model(torch.tensor(prompt), torch.arange(len(prompt)), caches, md)
+    return caches
+
+
+@torch.inference_mode()
+def _step(model, one_region: bool, monkeypatch, prompts=PROMPTS, rows=ROWS
+          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Prefill the prompts eagerly, then one decode step of the requests plus a padding row, through
+    the decode stack (``one_region``) or through ``forward_small`` layer by layer."""
+    caches = _prefilled(model, prompts, rows)
     priors = [len(p) for p in prompts]
     n = len(prompts)
     md = build_attention_metadata([1] * n, priors, rows, BLOCK, 16, 512, num_padded_tokens=n + 1)
@@ -199,11 +206,7 @@ def test_the_stacks_own_head_gives_the_lm_heads_logits_bitwise(files, source, dt
     # A decode-stack step computes the final norm and the logits in its own call (StackHead): they must
     # be the bits add_rmsnorm_ and compute_logits give for the same step's layers.
     model = load_model(files[source], dtype=dtype).model
-    caches = new_caches(model, 64, BLOCK)
-    with cpu_kernels.disabled():
-        for prompt, row in zip(PROMPTS, ROWS, strict=True):
-            md = build_attention_metadata([len(prompt)], [0], [row], BLOCK, 16, 512)
-            model(torch.tensor(prompt), torch.arange(len(prompt)), caches, md)
+    caches = _prefilled(model, PROMPTS, ROWS)
     priors = [len(p) for p in PROMPTS]
     md = build_attention_metadata([1, 1, 1], priors, ROWS, BLOCK, 16, 512)
     ids, pos = torch.tensor([7, 8, 9]), torch.tensor(priors)
