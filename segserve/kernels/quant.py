@@ -183,7 +183,7 @@ def linear(
 
 def dequantize(
     weight: QuantWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
-    *, start: int = 0, count: int | None = None, out: torch.Tensor | None = None,
+    *, start: int = 0, count: int | None = None, out: torch.Tensor | None = None, id_name: str = "row id",
 ) -> torch.Tensor:
     """Rows of ``weight`` as ``(n, K)`` float32 (exact) or bfloat16 (rounded to nearest even).
 
@@ -193,6 +193,7 @@ def dequantize(
         rows: ``(n,)`` int64 row ids (an embedding lookup), or None for ``count`` rows from ``start``
             (default: all rows).
         out: ``(n, K)`` contiguous tensor of ``dtype`` to write into, or None (a new one).
+        id_name: what a row id is called in the error (``"token id"`` for an embedding lookup).
 
     Raises:
         ValueError: on a row id outside ``[0, N)`` (nothing is written), or a bad dtype or shape.
@@ -220,6 +221,6 @@ def dequantize(
         rows=None if rows is None else rows.data_ptr(), r0=start, y=out.data_ptr(), ldy=k,
     ))
     if rc == -3:
-        raise ValueError(f"a row id is outside [0, {n_rows})")
+        raise ValueError(f"a {id_name} is outside [0, {n_rows})")
     cpu_kernels._check(rc, "sg_qdequant")
     return out

@@ -57,12 +57,18 @@ def dequantize_weight(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     return _dequantize(w, dtype)
 
 
+def row_kernel_takes(m: int, dtype: torch.dtype) -> bool:
+    """Whether :func:`quantized_matmul` runs ``m`` CPU rows of ``dtype`` on the register-dequantizing
+    kernel (``quant.linear``): up to ``SMALL_ROWS`` rows, with the block kernels on."""
+    return m <= SMALL_ROWS.get(dtype, 8) and quant.enabled()
+
+
 def quantized_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ dequantize(w).T + bias`` for ``x`` ``(M, K)`` float32/bfloat16 -> ``(M, N)`` in ``out_dtype``
     (default x's); the path by row count as the module docstring says."""
     m, (n, k) = x.shape[0], w.shape
-    if m <= SMALL_ROWS.get(x.dtype, 8) and quant.enabled() and x.device.type == "cpu":
+    if row_kernel_takes(m, x.dtype) and x.device.type == "cpu":
         return quant.linear(x.contiguous(), w, bias, out_dtype=out_dtype)
     if x.dtype == torch.float32 and out_dtype in (None, torch.float32) and f32gemm.enabled():
         return f32gemm.matmul(x.contiguous(), w, bias)  # weight packed from its blocks, no float copy
@@ -131,12 +137,7 @@ class QuantEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).long()
         if quant.enabled():  # the kernel checks every id before it writes (two reductions less a step)
-            try:
-                rows = quant.dequantize(self.quant_weight, self.dtype, ids)
-            except ValueError as e:
-                if "row id" not in str(e):
-                    raise
-                raise ValueError(f"a token id is outside [0, {self.num_embeddings})") from None
+            rows = quant.dequantize(self.quant_weight, self.dtype, ids, id_name="token id")
         else:
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
                 raise ValueError(f"a token id is outside [0, {self.num_embeddings})")

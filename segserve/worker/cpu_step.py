@@ -39,7 +39,7 @@ from segserve.kernels.gguf_blocks import QuantWeight
 from segserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from segserve.models.packed_linear import PackedLinear, pack_weight, packed_linear
 from segserve.models.quant_linear import SMALL_ROWS as QUANT_SMALL_ROWS
-from segserve.models.quant_linear import QuantLinear, dequantize_weight, quantized_matmul
+from segserve.models.quant_linear import QuantLinear, dequantize_weight, quantized_matmul, row_kernel_takes
 
 # rope_'s own limit, checked once per dtype here rather than failing inside a step.
 _MAX_ROPE_HEAD_DIM = 1024
@@ -259,13 +259,11 @@ class CpuStep:
         model = self.model
         weight = model.quantized_lm_head
         if weight is not None:
-            if rows > QUANT_SMALL_ROWS.get(dtype, 0) or not quant.enabled():
+            if not row_kernel_takes(rows, dtype):
                 return None
         else:
             weight = model.lm_head_weight
-            small = rows <= cpu_kernels.MAX_SMALL_ROWS.get(dtype, 0)
-            if self._tile_lm_head is not None or weight.dtype != dtype or not small \
-                    or not cpu_kernels.supports_linear(weight):
+            if self._tile_lm_head is not None or not self._dense_head_on_linear(rows, dtype):
                 return None
         return cpu_kernels.StackHead(
             model.norm.weight, weight, torch.empty(rows, weight.shape[1], dtype=dtype),
@@ -298,16 +296,21 @@ class CpuStep:
             if hidden.shape[0] <= amx.MAX_ROWS_LINEAR:  # weights streamed once, prefetched
                 return amx.rows_linear(hidden.contiguous(), tiles, n, k).float()
             return amx.linear(hidden.contiguous(), tiles, n, k).float()
-        if (
-            hidden.dtype == weight.dtype
-            and hidden.shape[0] <= cpu_kernels.MAX_SMALL_ROWS.get(hidden.dtype, 0)
-            and hidden.device.type == "cpu" and cpu_kernels.supports_linear(weight) and cpu_kernels.enabled()
-        ):
+        if hidden.device.type == "cpu" and self._dense_head_on_linear(hidden.shape[0], hidden.dtype):
             return cpu_kernels.linear(hidden.contiguous(), weight, out_dtype=torch.float32)
         packed = self._packed_lm_head
         if packed is not None and hidden.dtype == weight.dtype == packed.dtype:
             return packed_linear(hidden, packed, None).float()
         return self.model.compute_logits(hidden)
+
+    def _dense_head_on_linear(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether the dense LM head multiplies ``rows`` rows of ``dtype`` with the compiled linear
+        (``cpu_kernels.linear``): its weight in that dtype and shape, up to ``MAX_SMALL_ROWS`` rows."""
+        weight = self.model.lm_head_weight
+        return (
+            weight.dtype == dtype and rows <= cpu_kernels.MAX_SMALL_ROWS.get(dtype, 0)
+            and cpu_kernels.supports_linear(weight) and cpu_kernels.enabled()
+        )
 
     def _tiles_fit(self, dtype: torch.dtype, rows: int) -> bool:
         """Whether a step of ``rows`` rows in ``dtype`` takes a tile GEMM (:func:`tile_gemm`): bfloat16,
