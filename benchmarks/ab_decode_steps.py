@@ -1,6 +1,7 @@
 """Decode-only engine steps, two variants interleaved step by step in one process (the host's slow phases
 hit both alike): ``--mode rows`` compares decode-only steps of more than 8 rows through the per-layer
-GEMMs (``forward_chunk``, A) with the one-call decode stack (B, ``MAX_DECODE_STACK_ROWS_BLOCKS``);
+GEMMs (``forward_chunk``, A) with the one-call decode stack (B): A caps every ``MAX_DECODE_STACK_ROWS_*``
+limit at ``--rows-a`` (8), B keeps the tree's limits or sets them to ``--rows-b``;
 ``--mode lib --old-lib PATH`` compares another build of the kernel library (A, e.g. main's, which must
 have the same ABI) with this tree's (B), both at the old 8-row limit; ``--mode all`` is both changes at
 once (A: the old library at 8 rows, B: this tree).
@@ -35,9 +36,13 @@ def _old_library(path: str) -> ctypes.CDLL:
     return lib
 
 
-def _variant_setter(mode: str, old_lib: str | None):
+STACK_LIMITS = ("MAX_DECODE_STACK_ROWS_BLOCKS", "MAX_DECODE_STACK_ROWS_TILES", "MAX_DECODE_STACK_ROWS_DENSE")
+
+
+def _variant_setter(mode: str, old_lib: str | None, rows_a: int = 8, rows_b: int | None = None):
     """A function that switches the process to variant "A" or "B"."""
-    new, limits = cpu_kernels._library(), dict(cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS)
+    new = cpu_kernels._library()
+    limits = {name: dict(getattr(cpu_kernels, name)) for name in STACK_LIMITS}
     quant._library()
     old = _old_library(old_lib) if mode in ("lib", "all") else None
 
@@ -45,8 +50,9 @@ def _variant_setter(mode: str, old_lib: str | None):
         if old is not None:
             cpu_kernels._lib = old if v == "A" else new
         big = v == "B" and mode in ("rows", "all")
-        for k in limits:
-            cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS[k] = limits[k] if big else 8
+        for name, table in limits.items():
+            for k, tree in table.items():
+                getattr(cpu_kernels, name)[k] = (tree if rows_b is None else rows_b) if big else rows_a
 
     return set_variant
 
@@ -84,13 +90,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant and batch")
     p.add_argument("--mode", choices=("rows", "lib", "all"), default="rows")
     p.add_argument("--old-lib", default=None, help="the other build's .so (modes lib and all)")
+    p.add_argument("--rows-a", type=int, default=8, help="A's cap on every decode-stack row limit")
+    p.add_argument("--rows-b", type=int, default=None,
+                   help="B's decode-stack row limit (default: the tree's)")
     p.add_argument("--out", default="results/ab_decode_steps.json")
     a = p.parse_args()
     if a.mode != "rows" and not a.old_lib:
         p.error(f"--mode {a.mode} needs --old-lib")
     llm = LLM(a.model, dtype=a.dtype) if a.model else LLM(dtype=a.dtype)
-    set_variant = _variant_setter(a.mode, a.old_lib)
-    result, first = {"mode": a.mode, "dtype": a.dtype, "load": os.getloadavg(), "batches": {}}, 0
+    if a.rows_a < 1 or (a.rows_b is not None and a.rows_b < 1):
+        p.error("--rows-a and --rows-b must be >= 1")
+    set_variant = _variant_setter(a.mode, a.old_lib, a.rows_a, a.rows_b)
+    result = {"mode": a.mode, "rows_a": a.rows_a, "rows_b": a.rows_b, "dtype": a.dtype,
+              "load": os.getloadavg(), "batches": {}}
+    first = 0
     for b in (int(x) for x in a.batches.split(",")):
         result["batches"][b] = r = _time_batch(llm.llm_engine, b, a.steps, first, set_variant)
         first += b

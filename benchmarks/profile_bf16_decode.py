@@ -228,7 +228,7 @@ def main() -> None:
     llm = LLM(a.model, dtype=a.dtype, max_num_seqs=max(batches))
     result = {"mode": a.mode, "route": a.route, "dtype": a.dtype, "model": a.model,
               "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "batches": {}}
-    limits = getattr(cpu_kernels, "MAX_DECODE_STACK_ROWS_AMX", None)
+    limits = getattr(cpu_kernels, "MAX_DECODE_STACK_ROWS_TILES", None)
 
     new_lib = cpu_kernels._library()
     amx.hardware_ready()
@@ -240,7 +240,7 @@ def main() -> None:
 
     def set_variant(v: str) -> None:
         if limits is None:
-            raise SystemExit("--mode ab needs cpu.MAX_DECODE_STACK_ROWS_AMX (this tree has no AMX stack)")
+            raise SystemExit("--mode ab needs cpu.MAX_DECODE_STACK_ROWS_TILES (this tree has no tile stack)")
         limits[torch.bfloat16] = 8 if v == "A" else saved
         # A: main's routes at 8 rows or fewer too (the vdpbf16ps register tiles, the compiled LM head).
         cpu_step_module.AMX_STACK_MIN_ROWS = 9 if v == "A" else min_rows

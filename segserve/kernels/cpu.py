@@ -40,22 +40,20 @@ MAX_SMALL_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 # forward_chunk 414 ms median (252 vs 366 min), b=32 439 vs 566 (345 vs 443); the bfloat16 export
 # (dense) at b=16 lost, 143 vs 108 ms on AMX, so bfloat16 stays at 8.
 MAX_DECODE_STACK_ROWS_BLOCKS = {torch.float32: 64, torch.bfloat16: 8}
-# Most rows a decode-only step of a dense model may have to run as one call with its projections on AMX
-# tiles (``DecodeStack`` given AMX weights, ``run(amx=True)``): the C product takes up to 4 row tiles of
-# 16. Measured per step, interleaved in one process (benchmarks/profile_bf16_decode.py --mode ab, table in
-# docs/perf.md): the stack beats forward_chunk at every batch of 9-64 rows (and, from 2 rows, the
-# stack's own vdpbf16ps register tiles: cpu_step.AMX_STACK_MIN_ROWS).
-MAX_DECODE_STACK_ROWS_AMX = {torch.bfloat16: 64}
-# Most rows a decode-only step of a dense model without AMX tile copies may have to run as one call, its
+# Most rows a decode-only step of a dense model may have to run as one call with its projections as tile
+# products of the packed weights (``DecodeStack`` given tile weights, ``run(tiles=...)``): the C products
+# take up to 4 row tiles of 16. On AMX, measured per step, interleaved in one process
+# (benchmarks/profile_bf16_decode.py --mode ab, table in docs/perf.md): the stack beats forward_chunk at
+# every batch of 9-64 rows (and, from 2 rows, the stack's own vdpbf16ps register tiles:
+# cpu_step.AMX_STACK_MIN_ROWS). Without AMX (vdpbf16ps tiles over the same packed weights, from
+# cpu_step.TILE_STACK_MIN_ROWS rows): see there.
+MAX_DECODE_STACK_ROWS_TILES = {torch.bfloat16: 64}
+# Most rows a decode-only step of a dense model without tile copies may have to run as one call, its
 # projections as the compiled register tiles (each weight tile streamed once for all rows). Measured per
 # step, interleaved in one process (the bf16 export, 200-token prompts, 2 threads, AMD EPYC Zen 4, no AMX,
 # load 1.1, 2026-12-02): stack vs forward_chunk's oneDNN GEMMs 45.0 vs 58.4 ms at 16 rows, 73.2 vs 109.3
 # at 32, 155.6 vs 197.7 at 64, so 64 in bfloat16; float32 stays at 8 (66.2 vs 69.6 ms at 16 rows, above).
 MAX_DECODE_STACK_ROWS_DENSE = {torch.float32: 8, torch.bfloat16: 64}
-# The same when forward_chunk runs the projections on the vdpbf16ps GEMM (``segserve.kernels.bf16gemm``,
-# CPUs without AMX): measured alike (load 1.9-2.5), stack vs forward_chunk 46.6 vs 53.1 ms at 16 rows,
-# 72.4 vs 70.2 at 32 (minima 66.8 vs 59.7), 138.3 vs 132.8 at 64, so 16.
-MAX_DECODE_STACK_ROWS_BF16GEMM = {torch.bfloat16: 16}
 
 # The projections the decode stack may take as GGUF blocks (segserve_quant.c).
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -129,7 +127,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         *[(name, _P) for name in ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "kv_cache")],
         *[(name, _I) for name in ("qkv_wqt", "o_wqt", "gate_up_wqt", "down_wqt")],
-        *[(name, _P) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")],
+        *[(name, _P) for name in ("qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")],
     ]
 
 
@@ -142,7 +140,7 @@ class _DecodeStackArgs(ctypes.Structure):
         ("M", _L), ("H", _L), ("I", _L), ("Hq", _L), ("Hkv", _L), ("D", _L), ("eps", _F), ("h", _P),
         ("cos", _P), ("ssin", _P), ("num_blocks", _L), ("block_size", _L), ("n", _L), ("slot_mapping", _P),
         ("rows", _P), ("block_table", _P), ("ld_bt", _L), ("reqs", _P), ("lens", _P), ("seg", _L),
-        ("scale", _F), ("xq8", _I), ("amx", _I), ("final_norm", _P), ("lm_w", _P), ("lm_wqt", _I),
+        ("scale", _F), ("xq8", _I), ("tiles", _I), ("final_norm", _P), ("lm_w", _P), ("lm_wqt", _I),
         ("vocab", _L), ("hidden", _P), ("logits", _P),
     ]
 
@@ -600,15 +598,16 @@ class DecodeStack:
             dtype, contiguous (the caches give the shape every later step's caches must have).
             ``Nqkv = (Hq + 2 Hkv) D``.
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D. eps: RMSNorm epsilon.
-        amx_weights: optional, per layer ``(qkv, o, gate_up, down)`` in ``amx.pack``'s tile layout (dense
-            bfloat16 layers only), which :meth:`run` with ``amx=True`` multiplies on AMX tiles.
+        tile_weights: optional, per layer ``(qkv, o, gate_up, down)`` in ``amx.pack``'s tile layout (dense
+            bfloat16 layers only), which :meth:`run` with ``tiles`` multiplies on AMX tiles or vdpbf16ps
+            register tiles.
 
     Raises:
         ValueError: naming the first tensor whose dtype, layout or shape does not fit.
     """
 
     def __init__(self, layers: list[tuple], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 amx_weights: list[tuple[torch.Tensor, ...]] | None = None):
+                 tile_weights: list[tuple[torch.Tensor, ...]] | None = None):
         if not layers or num_heads < 1 or num_kv_heads < 1 or head_dim < 1:
             raise ValueError(
                 f"need at least one layer and positive head counts, got {len(layers)} layers, "
@@ -651,9 +650,9 @@ class DecodeStack:
                 f"16 up to 256, and {num_heads} heads at most 16 per each of {num_kv_heads} KV heads"
             )
         self._weights = [layer[:7] for layer in layers]
-        self.amx = amx_weights is not None
-        if self.amx:
-            self._check_amx_weights(layers, amx_weights)
+        self.tiled = tile_weights is not None
+        if self.tiled:
+            self._check_tile_weights(layers, tile_weights)
 
         def pointer(t: torch.Tensor | QuantWeight | None) -> int | None:
             return None if t is None else (t.data if isinstance(t, QuantWeight) else t).data_ptr()
@@ -661,8 +660,8 @@ class DecodeStack:
         def fmt(t: torch.Tensor | QuantWeight) -> int:
             return t.wqt if isinstance(t, QuantWeight) else 0  # 0: WQT_DENSE, plain dt values
 
-        packed = amx_weights or [(None,) * 4] * len(layers)
-        self._amx_weights = amx_weights
+        packed = tile_weights or [(None,) * 4] * len(layers)
+        self._tile_weights = tile_weights
         self._array = (_Layer * len(layers))(*[
             _Layer(*[pointer(t) for t in layer[:7]], None, *[fmt(layer[i]) for i in (1, 3, 5, 6)],
                    *[pointer(t) for t in tiles])
@@ -677,28 +676,28 @@ class DecodeStack:
             D=head_dim, eps=eps, num_blocks=num_blocks, block_size=block_size,
         )
 
-    def _check_amx_weights(self, layers: list[tuple], amx_weights: list[tuple[torch.Tensor, ...]]) -> None:
-        """Each AMX copy is ``amx.pack``'s ``(N/16, K/32, 16, 32)`` bfloat16 tensor of its layer's dense
+    def _check_tile_weights(self, layers: list[tuple], tile_weights: list[tuple[torch.Tensor, ...]]) -> None:
+        """Each tile copy is ``amx.pack``'s ``(N/16, K/32, 16, 32)`` bfloat16 tensor of its layer's dense
         bfloat16 projection."""
-        if self.dtype != torch.bfloat16 or len(amx_weights) != len(layers):
-            raise ValueError(f"amx_weights: need one (qkv, o, gate_up, down) per layer ({len(layers)}) of a "
-                             f"bfloat16 stack, got {len(amx_weights)} for {self.dtype}")
-        for n, (layer, tiles) in enumerate(zip(layers, amx_weights, strict=True)):
+        if self.dtype != torch.bfloat16 or len(tile_weights) != len(layers):
+            raise ValueError(f"tile_weights: need one (qkv, o, gate_up, down) per layer ({len(layers)}) of a "
+                             f"bfloat16 stack, got {len(tile_weights)} for {self.dtype}")
+        for n, (layer, tiles) in enumerate(zip(layers, tile_weights, strict=True)):
             for name, w, t in zip(_PROJECTIONS, (layer[1], layer[3], layer[5], layer[6]), tiles, strict=True):
                 rows, cols = w.shape
                 want = (rows // 16, cols // 32, 16, 32)
                 if isinstance(w, QuantWeight) or rows % 16 or cols % 32 or t.dtype != torch.bfloat16 \
                         or tuple(t.shape) != want or not t.is_contiguous() or t.device.type != "cpu":
                     raise ValueError(
-                        f"layer {n} {name}: amx weight must be amx.pack's contiguous {want} bfloat16 CPU "
+                        f"layer {n} {name}: tile weight must be amx.pack's contiguous {want} bfloat16 CPU "
                         f"tensor of a dense ({rows}, {cols}) weight, got {tuple(t.shape)} {t.dtype}"
                     )
 
-    def _check_head(self, head: StackHead, m: int, amx: bool) -> None:
+    def _check_head(self, head: StackHead, m: int, tiles: str | None) -> None:
         """ValueError unless ``head`` fits a step of ``m`` rows (see :meth:`run`)."""
         w, h = head.weight, self.hidden
-        if amx:
-            raise ValueError("head is not taken with amx=True")
+        if tiles is not None:
+            raise ValueError(f"head is not taken with tiles={tiles!r}")
         if isinstance(w, QuantWeight):
             if w.shape[1] != h or w.data.device.type != "cpu":
                 raise ValueError(f"head weight: need (vocab, {h}) blocks on CPU, got {w.shape}")
@@ -726,16 +725,17 @@ class DecodeStack:
         kv_segment_size: int,
         scale: float,
         int8: bool = False,
-        amx: bool = False,
+        tiles: str | None = None,
         head: StackHead | None = None,
     ) -> torch.Tensor:
         """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned;
         ``kv_caches`` one per layer, each of the shape the stack was built for. ``int8``: the GGUF-block
         projections round their input rows to int8 blocks first (``quant.linear``'s ``int8``; the
-        caller checks the library has that kernel). ``amx``: the projections as AMX tile products of the
-        stack's ``amx_weights`` (up to ``MAX_DECODE_STACK_ROWS_AMX`` rows; the caller checks
-        ``amx.available()``), the same bits as ``forward_chunk`` over ``amx.linear``.
-        ``head`` (not with ``amx``): after the layers, in the same call, ``head.hidden`` ``(M, H)`` =
+        caller checks the library has that kernel). ``tiles``: the projections as tile products of the
+        stack's ``tile_weights`` (up to ``MAX_DECODE_STACK_ROWS_TILES`` rows): ``"amx"`` on AMX tiles (the
+        caller checks ``amx.available()``), the same bits as ``forward_chunk`` over ``amx.linear``;
+        ``"vdpbf16ps"`` on AVX-512 BF16 register tiles, the same bits as over ``bf16gemm.linear``.
+        ``head`` (not with ``tiles``): after the layers, in the same call, ``head.hidden`` ``(M, H)`` =
         RMSNorm(h) * ``head.norm_weight`` (``add_rmsnorm_``'s bits) and ``head.logits`` ``(M, vocab)``
         float32 = ``hidden @ head.weight.T`` (``linear`` / ``quant.linear`` with a float32 output, bit
         for bit; ``head.weight`` a ``(vocab, H)`` tensor of h's dtype or GGUF blocks).
@@ -747,13 +747,17 @@ class DecodeStack:
 
         Raises:
             ValueError: on a shape or dtype mismatch, or a slot or length out of range (nothing is
-                written then); ``amx`` without AMX weights or beyond ``MAX_DECODE_STACK_ROWS_AMX`` rows.
+                written then); ``tiles`` not one of those names, or without tile weights, or beyond
+                ``MAX_DECODE_STACK_ROWS_TILES`` rows.
         """
         m, n = h.shape[0], lens.shape[0]
-        if amx and (not self.amx or m > MAX_DECODE_STACK_ROWS_AMX[torch.bfloat16]):
-            raise ValueError(f"amx=True needs a stack built with amx_weights and at most "
-                             f"{MAX_DECODE_STACK_ROWS_AMX[torch.bfloat16]} rows, got {m} rows "
-                             f"({'with' if self.amx else 'without'} AMX weights)")
+        if tiles not in _STACK_TILES:
+            names = sorted(k for k in _STACK_TILES if k)
+            raise ValueError(f"tiles must be one of {names} or None, got {tiles!r}")
+        most = MAX_DECODE_STACK_ROWS_TILES[torch.bfloat16]
+        if tiles is not None and (not self.tiled or m > most):
+            raise ValueError(f"tiles={tiles!r} needs a stack built with tile_weights and at most {most} "
+                             f"rows, got {m} rows ({'with' if self.tiled else 'without'} tile weights)")
         if len(kv_caches) != len(self._array):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self._array)} layers")
         for i, kv in enumerate(kv_caches):
@@ -785,11 +789,11 @@ class DecodeStack:
         a.slot_mapping, a.rows = slot_mapping.data_ptr(), self._arange.data_ptr()
         a.reqs = a.rows  # decode j is batch row j and block-table row j
         a.block_table, a.ld_bt, a.lens = block_table.data_ptr(), block_table.shape[1], lens.data_ptr()
-        a.seg, a.scale, a.xq8, a.amx = kv_segment_size, scale, bool(int8), bool(amx)
+        a.seg, a.scale, a.xq8, a.tiles = kv_segment_size, scale, bool(int8), _STACK_TILES[tiles]
         a.final_norm = a.lm_w = a.hidden = a.logits = None
         a.lm_wqt, a.vocab = 0, 0
         if head is not None:
-            self._check_head(head, m, amx)
+            self._check_head(head, m, tiles)
             w = head.weight
             a.final_norm, a.hidden = head.norm_weight.data_ptr(), head.hidden.data_ptr()
             a.logits = head.logits.data_ptr()
@@ -808,6 +812,8 @@ class DecodeStack:
 
 
 STACK_PHASES = ("qkv", "attention", "o", "gate_up", "down")
+# DecodeStack.run's ``tiles`` -> sg_decode_stack_args.tiles (TILES_* in csrc/segserve_cpu.c).
+_STACK_TILES = {None: 0, "amx": 1, "vdpbf16ps": 2}
 
 
 def stack_timing(buf: torch.Tensor | None) -> None:

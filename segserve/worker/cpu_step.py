@@ -5,10 +5,11 @@ per step, when the compiled CPU kernels (``segserve.kernels.cpu``, float32/bfloa
 are switched on and every projection has a shape they take:
 
 - a decode-only step (one row per request, at most ``MAX_DECODE_STACK_ROWS_DENSE`` rows, or for
-  GGUF-block models ``MAX_DECODE_STACK_ROWS_BLOCKS``, or for dense bfloat16 models with AMX
-  ``MAX_DECODE_STACK_ROWS_AMX``)
-  over the segmented backend: every layer in one C call (``DecodeStack``), from ``AMX_STACK_MIN_ROWS``
-  rows of a dense bfloat16 model with its projections as AMX tile products of the prepacked weights;
+  GGUF-block models ``MAX_DECODE_STACK_ROWS_BLOCKS``, or for dense bfloat16 models with tile copies
+  ``MAX_DECODE_STACK_ROWS_TILES``)
+  over the segmented backend: every layer in one C call (``DecodeStack``), with the projections of a
+  dense bfloat16 model as tile products of the prepacked weights from ``AMX_STACK_MIN_ROWS`` rows on
+  AMX, from ``TILE_STACK_MIN_ROWS`` on vdpbf16ps register tiles without it;
 - any other step of at most ``MAX_SMALL_ROWS`` rows: each layer as four compiled linears with the norms,
   the SiLU gate and the residual adds fused in, plus the backend's attention (:func:`forward_small`);
 - larger steps (prefill chunks, big decode batches): oneDNN's GEMMs for the projections, and between
@@ -56,6 +57,13 @@ AMX_MIN_ROWS = cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] + 1
 # b=2 51.7 -> 33.7 ms median, b=4 68.8 -> 39.4, b=8 92.2 -> 45.7; b=1 keeps the register tiles (one row
 # of a 16-row tile).
 AMX_STACK_MIN_ROWS = 2
+# The same without AMX: fewest rows for the decode stack's projections to run as vdpbf16ps products of
+# the packed weights (bf16gemm's micro-kernel, 6 rows x 64 columns a tile, the weights read once per
+# step) rather than its per-row register tiles (4 x 4 dot products reduced across lanes). Interleaved per
+# step (the bf16 export, 300-token contexts, 2 threads, AMD EPYC Zen 4, load ~1.1, 2026-12-03; the register
+# tiles' step includes the fused LM head): 8 rows 14.3 vs 15.3 ms with the tiles, 12 rows 20.7 vs 19.8, 16
+# rows 22.2 vs 21.7, 32 rows 43.1 vs 37.2, 64 rows 84.5 vs 63.2.
+TILE_STACK_MIN_ROWS = 16
 
 
 class CpuStep:
@@ -172,11 +180,11 @@ class CpuStep:
         h = model.embed_tokens(input_ids)  # (T, H)
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
         if stack is not None:  # a decode-only step: every layer in one compiled call
-            tiles = stack.amx and rows >= AMX_STACK_MIN_ROWS  # a dense bfloat16 step: AMX products
+            tiles = self._stack_tiles(stack, rows)  # a dense bfloat16 step: tile products, or None
             head = None if tiles else self._stack_head(rows, dtype)
             stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
                       metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale,
-                      int8=quant.int8_enabled(), amx=tiles, head=head)
+                      int8=quant.int8_enabled(), tiles=tiles, head=head)
             if head is not None:  # the final norm and the logits came out of the same call
                 self._step_logits = (head.hidden, head.logits)
                 return head.hidden
@@ -194,15 +202,15 @@ class CpuStep:
         when :meth:`_stack_takes` the step (decodes only, within its row limit, over the segmented
         backend) and its caches; else None. The C step computes the segmented backend's attention
         itself, so a step over any other backend (the reference oracle) goes through that backend.
-        Built once per dtype and cache shape, with the AMX tile copies of the projections when
-        :meth:`prepack` made them: it holds the weight tensors, so after replacing one (not editing it
-        in place) call :meth:`prepack` again, as for the packed copies."""
+        Built once per dtype and cache shape, with the tile copies of the projections when
+        :meth:`prepack` made them and a tile GEMM runs: it holds the weight tensors, so after replacing
+        one (not editing it in place) call :meth:`prepack` again, as for the packed copies."""
         model = self.model
         if not self._stack_takes(rows, metadata):
             return None
         dtype = model.activation_dtype
-        amx_weights = self._tile_weights if self._amx_fits(dtype, AMX_MIN_ROWS) else None
-        key = (dtype, kv_caches[0].shape, len(kv_caches), amx_weights is not None)
+        tile_weights = self._tile_weights if self._tiles_fit(dtype, AMX_MIN_ROWS) else None
+        key = (dtype, kv_caches[0].shape, len(kv_caches), tile_weights is not None)
         if self._stack_key != key:
             self._stack_key = key
             self._stack = None
@@ -211,18 +219,31 @@ class CpuStep:
                 try:
                     self._stack = cpu_kernels.DecodeStack(
                         decode_stack_layers(model, kv_caches), c.num_attention_heads, c.num_key_value_heads,
-                        c.head_dim, c.rms_norm_eps, amx_weights,
+                        c.head_dim, c.rms_norm_eps, tile_weights,
                     )
                 except ValueError:  # a shape the whole-step kernel does not take: per-layer path
                     self._stack = None
         return self._stack
 
+    def _stack_tiles(self, stack: cpu_kernels.DecodeStack, rows: int) -> str | None:
+        """``DecodeStack.run``'s ``tiles`` for a decode-only step of ``rows`` rows: ``"amx"`` from
+        ``AMX_STACK_MIN_ROWS`` rows where AMX runs, ``"vdpbf16ps"`` from ``TILE_STACK_MIN_ROWS`` where
+        bf16gemm does, for a stack built with tile weights; else None (the per-row register tiles)."""
+        if not stack.tiled:
+            return None
+        gemm = tile_gemm()
+        if gemm is amx and rows >= AMX_STACK_MIN_ROWS:
+            return "amx"
+        if gemm is bf16gemm and rows >= TILE_STACK_MIN_ROWS:
+            return "vdpbf16ps"
+        return None
+
     def decode_stack_rows(self) -> int:
         """Rows up to which a decode-only step may run the one-call decode stack:
         ``MAX_DECODE_STACK_ROWS_BLOCKS`` for a model with GGUF-block projections,
-        ``MAX_DECODE_STACK_ROWS_AMX`` for a dense bfloat16 one whose AMX tile copies :meth:`prepack`
-        made (while AMX stays on), ``MAX_DECODE_STACK_ROWS_BF16GEMM`` for one whose larger steps run on
-        the vdpbf16ps GEMM instead, ``MAX_DECODE_STACK_ROWS_DENSE`` for other dense ones, in the model's
+        ``MAX_DECODE_STACK_ROWS_TILES`` for a dense bfloat16 one whose tile copies :meth:`prepack` made
+        (while a tile GEMM, AMX or vdpbf16ps, stays on), ``MAX_DECODE_STACK_ROWS_DENSE`` for other dense
+        ones, in the model's
         activation dtype (0 for a dtype the kernels do not take). The simulator's ``eager_step`` feature
         follows it (``StepComposition.stack_rows``)."""
         if self._has_blocks is None:
@@ -230,10 +251,8 @@ class CpuStep:
         dtype = self.model.activation_dtype
         if self._has_blocks:
             limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BLOCKS
-        elif self._amx_fits(dtype, AMX_MIN_ROWS):
-            limits = cpu_kernels.MAX_DECODE_STACK_ROWS_AMX
-        elif self._tiles_fit(dtype, AMX_MIN_ROWS):  # forward_chunk on the vdpbf16ps GEMM
-            limits = cpu_kernels.MAX_DECODE_STACK_ROWS_BF16GEMM
+        elif self._tiles_fit(dtype, AMX_MIN_ROWS):
+            limits = cpu_kernels.MAX_DECODE_STACK_ROWS_TILES
         else:
             limits = cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE
         return limits.get(dtype, cpu_kernels.MAX_SMALL_ROWS.get(dtype, 0))
@@ -319,11 +338,6 @@ class CpuStep:
             dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and self._tile_weights is not None
             and self._tile_weights[0][0].dtype == dtype and tile_gemm() is not None
         )
-
-    def _amx_fits(self, dtype: torch.dtype, rows: int) -> bool:
-        """Whether a step of ``rows`` rows in ``dtype`` takes the AMX tile products (the GEMMs, and the
-        decode stack's): :meth:`_tiles_fit` with AMX itself switched on."""
-        return self._tiles_fit(dtype, rows) and amx.available()
 
     def _kernels_fit(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a step with activations of ``dtype`` on ``device`` can use the compiled CPU kernels:

@@ -95,18 +95,18 @@ def test_the_engine_reports_its_stack_limit(tmp_path):
         assert engine_stack_rows(engine) == rows
 
 
-def test_a_dense_bfloat16_engine_on_amx_reports_the_amx_stack_limit(tmp_path):
+def test_a_dense_bfloat16_engine_with_tile_copies_reports_the_tile_stack_limit(tmp_path):
     import torch
     from model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer
 
     from segserve import LLMEngine
-    from segserve.kernels import amx
+    from segserve.kernels import amx, bf16gemm
     from segserve.kernels import cpu as cpu_kernels
     from segserve.models.loader import load_model
     from segserve.simulator.replay import engine_stack_rows
 
-    if not amx.available():
-        pytest.skip(f"no AMX here: {amx.unavailable_reason()}")
+    if not amx.available() and not bf16gemm.available():
+        pytest.skip("no tile GEMM (AMX or AVX-512 BF16) here")
     save_tiny_hf_dir(tmp_path, tiny_hf_model(), train_tiny_tokenizer())
     rows = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -114,6 +114,8 @@ def test_a_dense_bfloat16_engine_on_amx_reports_the_amx_stack_limit(tmp_path):
                            num_kv_blocks=16, block_size=4)
         rows[dtype] = engine_stack_rows(engine)
     assert rows == {torch.float32: SMALL_STEP_ROWS, torch.bfloat16: 64}
-    assert cpu_kernels.MAX_DECODE_STACK_ROWS_AMX[torch.bfloat16] == 64
-    with amx.disabled():  # the engine would send those steps to forward_chunk: the simulator follows
+    assert cpu_kernels.MAX_DECODE_STACK_ROWS_TILES[torch.bfloat16] == 64
+    with amx.disabled(), bf16gemm.disabled():  # the per-row register tiles' limit
+        assert engine_stack_rows(engine) == cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE[torch.bfloat16]
+    with cpu_kernels.disabled():  # the eager forward: the simulator follows
         assert engine_stack_rows(engine) == SMALL_STEP_ROWS

@@ -4,8 +4,8 @@ A float32 model with GGUF-block projections runs decode-only steps of up to
 ``MAX_DECODE_STACK_ROWS_BLOCKS[float32]`` rows in one ``DecodeStack`` call (its block kernel takes any
 row count), and that equals the per-layer GEMM path (``forward_chunk``) within float32 summation order
 (tolerance 1e-5 on states of magnitude ~1; observed ~1e-6). bfloat16 block models and float32 models
-without blocks keep ``forward_chunk`` there; dense bfloat16 models take the stack, with AMX tile
-products on AMX (tests/unit/test_decode_stack_amx.py), with its register tiles elsewhere. Tiny Q4_1
+without blocks keep ``forward_chunk`` there; dense bfloat16 models take the stack, with tile products of
+the packed weights once prepacked (tests/unit/test_decode_stack_tiles.py), else its register tiles. Tiny Q4_1
 model: 2 layers, hidden 64, 4 query / 2 KV heads of dim 16; twelve decodes of 5-token prompts.
 """
 
@@ -117,14 +117,3 @@ def test_dense_float32_decodes_over_eight_rows_keep_the_gemm_path(gguf, monkeypa
     assert cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE[torch.float32] < N
     _, _, paths = _step(_dense(gguf, torch.float32), monkeypatch)
     assert paths == ["chunk"]
-
-
-def test_dense_bfloat16_stack_limit_follows_the_gemm_that_takes_larger_steps(gguf):
-    from segserve.kernels import amx, bf16gemm
-
-    if amx.hardware_ready() or not bf16gemm.available():
-        pytest.skip("needs a CPU without AMX where the vdpbf16ps GEMM runs")
-    step = CpuStep(_dense(gguf, torch.bfloat16))
-    assert step.decode_stack_rows() == cpu_kernels.MAX_DECODE_STACK_ROWS_DENSE[torch.bfloat16] == 64
-    step.prepack()  # the tile copies: steps above 8 rows now go to the vdpbf16ps GEMM
-    assert step.decode_stack_rows() == cpu_kernels.MAX_DECODE_STACK_ROWS_BF16GEMM[torch.bfloat16] == 16

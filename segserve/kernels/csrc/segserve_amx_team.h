@@ -1,5 +1,6 @@
-/* The AMX tile GEMM that a team of threads runs from inside a parallel region it is already in
- * (segserve_amx_team.c): the decode stack's projections for decode batches of 2-64 rows.
+/* The tile GEMM that a team of threads runs from inside a parallel region it is already in: the decode
+ * stack's projections for decode batches of 2-64 rows, on AMX (segserve_amx_team.c) or on vdpbf16ps
+ * register tiles (segserve_bf16gemm.c), both over sg_amx_pack's layout.
  * Internal to the library (hidden symbols, no ctypes mirror). */
 #ifndef SEGSERVE_AMX_TEAM_H
 #define SEGSERVE_AMX_TEAM_H
@@ -35,5 +36,9 @@ __attribute__((visibility("hidden"))) void sg_team_tiles_end(void);
  * (ending in the team's barrier); every thread of the region must call it. Shapes are the caller's to
  * check (sg_team_gemm_fits), the tiles its to configure (sg_team_tiles_begin). */
 __attribute__((visibility("hidden"))) void sg_team_gemm_run(const sg_team_gemm *g);
+
+/* The same product on vdpbf16ps register tiles (segserve_bf16gemm.c; no tile configuration, no AMX):
+ * the calling thread's share of the columns, ending without a barrier (the caller's team_sync). */
+__attribute__((visibility("hidden"))) void sg_team_gemm_run_bf16(const sg_team_gemm *g);
 
 #endif

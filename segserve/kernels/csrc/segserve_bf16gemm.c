@@ -36,6 +36,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "segserve_amx_team.h"
 #include "segserve_simd.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__)
@@ -260,6 +261,27 @@ int sg_bf16gemm(const sg_bf16gemm_args *a) {
         item(a, &pl, r0, r0 + rh < M ? r0 + rh : M, c0, c0 + cw < pl.units ? c0 + cw : pl.units);
     }
     return BG_OK;
+}
+
+/* ---- the decode stack's product ------------------------------------------------------------- */
+
+/* sg_team_gemm_run's product on vdpbf16ps register tiles (CPUs without AMX; the decode stack's
+ * projections for decode batches of 2-64 rows): thread t of the calling team's T takes the column units
+ * [t U / T, (t + 1) U / T) (contiguous, balanced to one unit, so each streams one run of the packed
+ * weight), in column chunks of at most BG_W_BYTES of W (kept in L2 while every row panel of the step
+ * passes over them: the weight is read from memory once per step), each chunk by item() as sg_bf16gemm
+ * runs it, so the same bits as sg_bf16gemm (and sg_amx_linear). No barrier at the end: the caller's. */
+void sg_team_gemm_run_bf16(const sg_team_gemm *g) {
+    const int silu = g->epilogue == TEAM_EPI_SILU_MUL;
+    const sg_bf16gemm_args a = {.size = sizeof a, .M = g->M, .N = g->N, .K = g->K, .x = g->x, .ldx = g->ldx,
+                                .packed = g->packed, .bias = g->bias, .y = g->y, .ldy = g->ldy,
+                                .ydt = BG_DT_BF16, .epilogue = g->epilogue};
+    const bg_plan pl = {silu, silu ? NV / 2 : NV, silu ? 2 : 1, silu ? g->N / 32 : g->N / 16, g->K / 2};
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t c0 = pl.units * t / threads, c1 = pl.units * (t + 1) / threads;
+    int64_t cw = BG_W_BYTES / (g->K * 32 * pl.bpu) / pl.upt * pl.upt;
+    if (cw < pl.upt) cw = pl.upt;
+    for (int64_t c = c0; c < c1; c += cw) item(&a, &pl, 0, g->M, c, c + cw < c1 ? c + cw : c1);
 }
 
 /* ---- peak ------------------------------------------------------------------------------------- */

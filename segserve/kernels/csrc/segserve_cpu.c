@@ -66,7 +66,7 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #endif
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */
-int sg_abi_version(void) { return 9; }
+int sg_abi_version(void) { return 10; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -969,10 +969,10 @@ typedef struct {
     int32_t o_wqt;        /* format of o */
     int32_t gate_up_wqt;  /* format of gate_up */
     int32_t down_wqt;     /* format of down */
-    const void *qkv_amx;     /* qkv in sg_amx_pack's tile layout, for sg_decode_stack_args.amx; else NULL */
-    const void *o_amx;       /* o, the same */
-    const void *gate_up_amx; /* gate_up, the same */
-    const void *down_amx;    /* down, the same */
+    const void *qkv_tiles;     /* qkv in sg_amx_pack's tile layout, for sg_decode_stack_args.tiles; else NULL */
+    const void *o_tiles;       /* o, the same */
+    const void *gate_up_tiles; /* gate_up, the same */
+    const void *down_tiles;    /* down, the same */
 } sg_layer;
 
 typedef struct {
@@ -1003,7 +1003,7 @@ typedef struct {
     int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
     int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
-    int32_t amx;                 /* nonzero: projections on AMX tiles (layers' *_amx, bf16, 1-64 rows) */
+    int32_t tiles;               /* TILES_*: projections as tile products of the layers' *_tiles (bf16, 1-64 rows) */
     const void *final_norm;      /* (H,) dt: the final norm's weight, read when lm_w is set */
     const void *lm_w;            /* (vocab, H) dt values or GGUF blocks of lm_wqt, or NULL: no head */
     int32_t lm_wqt;              /* sg_linear_args.wqt of lm_w */
@@ -1039,8 +1039,12 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* What the AMX layer body shares across a step (internal, tagged: no ctypes mirror). */
-typedef struct amx_step {
+/* What layer_tiles shares across a step (internal, tagged: no ctypes mirror). */
+/* sg_decode_stack_args.tiles: the per-row register tiles, or each layer as layer_tiles with its products
+ * on AMX (sg_team_gemm_run) or on vdpbf16ps register tiles over the packed weights (sg_team_gemm_run_bf16). */
+enum { TILES_NONE = 0, TILES_AMX = 1, TILES_BF16 = 2 };
+
+typedef struct tile_step {
     const sg_decode_stack_args *a;
     const sg_rope_args *rope;
     const att_plan *plan;
@@ -1048,33 +1052,48 @@ typedef struct amx_step {
     uint16_t *attn; /* (M, Hq D), padding rows zero */
     uint16_t *xn;   /* (M, H) RMSNorm rows */
     uint16_t *act;  /* (M, I) SiLU-gated rows */
-} amx_step;
+} tile_step;
 
-/* Whether a's step can run layer_amx: bfloat16, AMX granted, every layer's projections dense with their
- * tile copies given, and every product a shape sg_team_gemm_run takes (M <= 64 among them). */
-static int amx_fits(const sg_decode_stack_args *a) {
+/* Whether a's step can run layer_tiles: bfloat16, AMX granted for TILES_AMX, every layer's projections
+ * dense with their tile copies given, and every product a shape sg_team_gemm_run takes (M <= 64 among
+ * them; sg_team_gemm_run_bf16 takes the same). */
+static int tiles_fit(const sg_decode_stack_args *a) {
     const int64_t M = a->M, H = a->H, I = a->I, nq = a->Hq * a->D, nqkv = nq + 2 * a->Hkv * a->D;
-    if (a->dt != DT_BF16 || !sg_amx_granted() || !sg_team_gemm_fits(M, nqkv, H, TEAM_EPI_NONE) ||
+    if (a->tiles != TILES_AMX && a->tiles != TILES_BF16) return 0;
+    if (a->dt != DT_BF16 || (a->tiles == TILES_AMX && !sg_amx_granted()) ||
+        !sg_team_gemm_fits(M, nqkv, H, TEAM_EPI_NONE) ||
         !sg_team_gemm_fits(M, H, nq, TEAM_EPI_RESIDUAL) || !sg_team_gemm_fits(M, 2 * I, H, TEAM_EPI_SILU_MUL) ||
         !sg_team_gemm_fits(M, H, I, TEAM_EPI_RESIDUAL))
         return 0;
     for (int64_t l = 0; l < a->num_layers; l++) {
         const sg_layer *ly = &a->layers[l];
         if (ly->qkv_wqt != WQT_DENSE || ly->o_wqt != WQT_DENSE || ly->gate_up_wqt != WQT_DENSE ||
-            ly->down_wqt != WQT_DENSE || !ly->qkv_amx || !ly->o_amx || !ly->gate_up_amx || !ly->down_amx)
+            ly->down_wqt != WQT_DENSE || !ly->qkv_tiles || !ly->o_tiles || !ly->gate_up_tiles || !ly->down_tiles)
             return 0;
     }
     return 1;
 }
 
-/* One layer of a bfloat16 decode step of up to 64 rows (CpuStep sends 2-64) with its projections as AMX
- * tile products (sg_team_gemm_run, segserve_amx_team.c), run by every thread of the stack's region. The
- * operations and rounding points of forward_chunk over amx.linear, in its order, so the same bits: RMSNorm
- * rows (sg_rows' code) into a shared buffer, qkv, RoPE and the KV write, attention, h += o, RMSNorm,
- * gate/up with the SiLU gate in its epilogue, h += down. The norms are shared rows (one barrier each)
- * rather than every thread's own copy as in the per-row path: at 64 rows a copy per thread would cost more
- * than the barrier. 9 barriers a layer. */
-static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_attention_args *la, float *scores) {
+/* One tile product of layer_tiles, shared by the team and ending in its barrier: on AMX tiles, or on
+ * vdpbf16ps register tiles (whose share ends without one). */
+static void tile_product(const sg_decode_stack_args *a, const sg_team_gemm *g) {
+    if (a->tiles == TILES_AMX) {
+        sg_team_gemm_run(g);
+    } else {
+        sg_team_gemm_run_bf16(g);
+        team_sync();
+    }
+}
+
+/* One layer of a bfloat16 decode step of up to 64 rows (CpuStep sends 2-64 with AMX, from
+ * TILE_STACK_MIN_ROWS without) with its projections as tile products of the packed weights (tile_product),
+ * run by every thread of the stack's region. The operations and rounding points of forward_chunk over
+ * amx.linear / bf16gemm.linear, in its order, so the same bits: RMSNorm rows (sg_rows' code) into a shared
+ * buffer, qkv, RoPE and the KV write, attention, h += o, RMSNorm, gate/up with the SiLU gate in its
+ * epilogue, h += down. The norms are shared rows (one barrier each) rather than every thread's own copy as
+ * in the per-row path: at 64 rows a copy per thread would cost more than the barrier. 9 barriers a layer,
+ * the stack's own (team_sync) but for those inside the AMX product. */
+static void layer_tiles(const tile_step *s, const sg_layer *ly, const sg_decode_attention_args *la, float *scores) {
     const sg_decode_stack_args *a = s->a;
     const int64_t M = a->M, H = a->H, I = a->I, n = a->n, nq = a->Hq * a->D, width = a->Hkv * a->D;
     const int64_t nqkv = nq + 2 * width, num_slots = a->num_blocks * a->block_size;
@@ -1082,12 +1101,13 @@ static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_att
     const int64_t *slot_mapping = a->slot_mapping;
     uint16_t *h = a->h, *qkv = s->qkv;
     char *kc = (char *)ly->kv_cache;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t m = 0; m < M; m++) prologue_row(DT_BF16, PRO_RMSNORM, H, h, H, m, ly->ln1, a->eps, s->xn);
-    sg_team_gemm g = {.M = M, .N = nqkv, .K = H, .x = s->xn, .ldx = H, .packed = ly->qkv_amx,
+    team_sync();
+    sg_team_gemm g = {.M = M, .N = nqkv, .K = H, .x = s->xn, .ldx = H, .packed = ly->qkv_tiles,
                       .bias = ly->qkv_bias, .y = qkv, .ldy = nqkv, .epilogue = TEAM_EPI_NONE};
-    sg_team_gemm_run(&g);
-#pragma omp for schedule(static)
+    tile_product(a, &g);
+#pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < M; t++) { /* as the per-row path: sg_rope, then sg_write_kv */
         rope_one(s->rope, t);
         if (t < n) {
@@ -1095,18 +1115,20 @@ static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_att
             memcpy(kc + ((size_t)num_slots + slot_mapping[t]) * kv_bytes, qkv + t * nqkv + nq + width, kv_bytes);
         }
     }
+    team_sync();
     attention_team(la, s->plan, scores, NULL, NULL);
-    g = (sg_team_gemm){.M = M, .N = H, .K = nq, .x = s->attn, .ldx = nq, .packed = ly->o_amx, .y = h, .ldy = H,
+    g = (sg_team_gemm){.M = M, .N = H, .K = nq, .x = s->attn, .ldx = nq, .packed = ly->o_tiles, .y = h, .ldy = H,
                        .epilogue = TEAM_EPI_RESIDUAL};
-    sg_team_gemm_run(&g);
-#pragma omp for schedule(static)
+    tile_product(a, &g);
+#pragma omp for schedule(static) nowait
     for (int64_t m = 0; m < M; m++) prologue_row(DT_BF16, PRO_RMSNORM, H, h, H, m, ly->ln2, a->eps, s->xn);
-    g = (sg_team_gemm){.M = M, .N = 2 * I, .K = H, .x = s->xn, .ldx = H, .packed = ly->gate_up_amx,
+    team_sync();
+    g = (sg_team_gemm){.M = M, .N = 2 * I, .K = H, .x = s->xn, .ldx = H, .packed = ly->gate_up_tiles,
                        .y = s->act, .ldy = I, .epilogue = TEAM_EPI_SILU_MUL};
-    sg_team_gemm_run(&g);
-    g = (sg_team_gemm){.M = M, .N = H, .K = I, .x = s->act, .ldx = I, .packed = ly->down_amx, .y = h, .ldy = H,
+    tile_product(a, &g);
+    g = (sg_team_gemm){.M = M, .N = H, .K = I, .x = s->act, .ldx = I, .packed = ly->down_tiles, .y = h, .ldy = H,
                        .epilogue = TEAM_EPI_RESIDUAL};
-    sg_team_gemm_run(&g);
+    tile_product(a, &g);
 }
 
 /* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
@@ -1127,10 +1149,10 @@ static void layer_amx(const amx_step *s, const sg_layer *ly, const sg_decode_att
  * rows (RMSNorm, SiLU gate) are made by every thread into its own buffer rather than once behind a
  * barrier (a few thousand values).
  *
- * With a->amx (bfloat16 steps of up to 64 rows; CpuStep sets it from 2) each layer is layer_amx
- * instead: the projections as AMX tile products of prepacked weights inside the same region.
+ * With a->tiles (bfloat16 steps of up to 64 rows) each layer is layer_tiles instead: the projections as
+ * tile products of prepacked weights (AMX, or vdpbf16ps register tiles) inside the same region.
  *
- * With a->lm_w (not with amx) the step's head follows in the same region: hidden = RMSNorm(h) *
+ * With a->lm_w (not with tiles) the step's head follows in the same region: hidden = RMSNorm(h) *
  * final_norm (sg_rows' code), then logits = hidden . lm_w^T as sg_linear computes it with a float32
  * output (the LM head's own call, bit for bit). That spares the ~0.5 ms of Python a batch-1 step paid
  * between three calls, run with its caches cold from the step's weight stream.
@@ -1152,7 +1174,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         if (slot_mapping[j] < 0 || slot_mapping[j] >= num_blocks * block_size || a->reqs[j] != j ||
             a->rows[j] != j)
             return ERR_SHAPE;
-    if (a->amx && !amx_fits(a)) return ERR_SHAPE;
+    if (a->tiles != TILES_NONE && !tiles_fit(a)) return ERR_SHAPE;
     size_t es = dt == DT_F32 ? 4 : 2;
     const int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D;
     /* Every layer's four products, their shapes checked here (not one layer into the step). */
@@ -1170,7 +1192,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                            .x = a->hidden, .ldx = H, .prologue = PRO_NONE, .w = a->lm_w, .wqt = a->lm_wqt,
                            .y = a->logits, .ldy = a->vocab, .xq8 = a->xq8};
     if (a->lm_w) {
-        if (a->amx || !a->final_norm || !a->hidden || !a->logits || linear_shape(&head) != OK) return ERR_SHAPE;
+        if (a->tiles || !a->final_norm || !a->hidden || !a->logits || linear_shape(&head) != OK) return ERR_SHAPE;
         any_block |= a->lm_wqt != WQT_DENSE;
     }
     for (int64_t l = 0; l < a->num_layers; l++) {
@@ -1188,32 +1210,32 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
     void *gate_up = malloc(es * M * 2 * I);
     void *i8 = a->xq8 && any_block ? aligned_alloc(64, sg_quant_i8_scratch_bytes(M, kmax)) : NULL;
-    uint16_t *xn = a->amx ? (uint16_t *)malloc(es * M * H) : NULL; /* layer_amx's norm rows */
+    uint16_t *xn = a->tiles ? (uint16_t *)malloc(es * M * H) : NULL; /* layer_tiles' norm rows */
     /* Every layer's attention but for its cache: its q rows are the fused QKV output's Q heads. */
     sg_decode_attention_args att = {
         .size = sizeof att, .dt = dt, .n = n, .Hq = Hq, .Hkv = Hkv, .D = D, .q = qkv, .ldq = nqkv,
         .out = attn, .T = M, .rows = a->rows, .num_blocks = num_blocks, .block_size = block_size,
         .block_table = a->block_table, .B = n, .ld_bt = a->ld_bt, .reqs = a->reqs, .lens = a->lens,
         .seg = a->seg, .scale = a->scale};
-    /* layer_amx's RoPE pass (the per-row path rotates inside the attention items instead). */
+    /* layer_tiles' RoPE pass (the per-row path rotates inside the attention items instead). */
     const sg_rope_args rope = {.size = sizeof rope, .dt = dt, .T = M, .H = Hq + Hkv, .D = D, .x = qkv,
                                .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin};
     att_plan plan = {0};
     int rc = check_decodes(&att);
-    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8) || (a->amx && !xn))) rc = ERR_NOMEM;
+    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8) || (a->tiles && !xn))) rc = ERR_NOMEM;
     if (rc == OK) rc = attention_plan(&att, &plan);
     if (rc == OK) {
         int failed = 0;
         const size_t nscores = attention_scores_floats(&att, &plan);
         /* A few decodes: every thread merges the attention partials itself, into its own rows (no
          * barrier; see attention_team). */
-        const int own_merge = n <= OWN_MERGE_ROWS && !a->amx;
+        const int own_merge = n <= OWN_MERGE_ROWS && !a->tiles;
         /* The caller's thread-locals: read before the region. */
         int64_t *const timing = stack_timing, timing_layers = stack_timing_layers;
-        /* layer_amx's SiLU-gated rows (M, I) go in the (M, 2 I) gate_up buffer. */
-        const amx_step st = {.a = a, .rope = &rope, .plan = &plan, .qkv = (uint16_t *)qkv, .attn = attn, .xn = xn,
+        /* layer_tiles' SiLU-gated rows (M, I) go in the (M, 2 I) gate_up buffer. */
+        const tile_step st = {.a = a, .rope = &rope, .plan = &plan, .qkv = (uint16_t *)qkv, .attn = attn, .xn = xn,
                              .act = gate_up};
-        /* The step's ~150 barriers spin adaptively (segserve_team_sync.h); the AMX layers keep omp's. */
+        /* The step's ~150 barriers spin adaptively (segserve_team_sync.h), but for those inside the AMX product. */
         team_barrier bar = {0};
 #pragma omp parallel
         {
@@ -1233,7 +1255,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 failed = 1;
             }
 #pragma omp barrier
-            if (a->amx) sg_team_tiles_begin(M);
+            if (a->tiles == TILES_AMX) sg_team_tiles_begin(M);
             for (int64_t l = 0; l < a->num_layers && !failed; l++) {
                 const sg_layer *ly = &a->layers[l];
                 /* Private copies: lin and att are shared, and each thread points them at this layer. */
@@ -1253,8 +1275,8 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 } else {
                     tl = NULL;
                 }
-                if (a->amx) { /* not timed: its phases are not the per-row path's */
-                    layer_amx(&st, ly, &la, scores);
+                if (a->tiles) { /* not timed: its phases are not the per-row path's */
+                    layer_tiles(&st, ly, &la, scores);
                     continue;
                 }
                 int64_t ld;
@@ -1284,7 +1306,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 const void *xin = linear_input(&head, buf, &ld);
                 linear_tiles(&head, xin, ld, i8);
             }
-            if (a->amx) sg_team_tiles_end();
+            if (a->tiles == TILES_AMX) sg_team_tiles_end();
             team_sync_leave();
             free(buf);
             free(scores);
