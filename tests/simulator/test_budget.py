@@ -19,18 +19,18 @@ from segserve.simulator.budget import (
 )
 from segserve.simulator.step_model import LinearStepModel
 
-# 10 ms a step + 1 ms a padded row: a budget B costs 10 + bucket(B) ms (buckets: 16..256 by powers of
-# two, then multiples of 256).
+# 10 ms a step + 1 ms a padded row: a budget B costs 10 + bucket(B) ms (buckets: 16, 32, 48, 64, then
+# multiples of 32).
 ROWS = LinearStepModel({"step": 0.010, "padded_tokens": 0.001})
 
 
 @pytest.mark.parametrize(
     "target_s, budget",
     [
-        (0.2, 128),  # bucket 128 -> 138 ms; 144 pads to 256 -> 266 ms
+        (0.2, 160),  # bucket 160 -> 170 ms; 176 pads to 192 -> 202 ms
         (0.266, 256),
-        (0.5, 256),  # 272 pads to 512 -> 522 ms
-        (1.0, 768),  # 784 pads to 1024 -> 1034 ms
+        (0.5, 480),  # 496 pads to 512 -> 522 ms
+        (1.0, 960),  # 976 pads to 992 -> 1002 ms
         (0.03, 16),  # 26 ms; 32 -> 42 ms
         (0.001, 16),  # nothing fits: one block
     ],
@@ -43,14 +43,14 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
 
 def test_the_default_target_lets_a_chat_sized_prompt_into_one_step():
     """A profile shaped like this machine's bfloat16 one (~0.6 ms a padded row): the old 250 ms gave
-    256 tokens, the default 400 ms gives 512; 768 (470 ms) does not fit."""
+    384 tokens, the default 400 ms gives 640; 656 (pads to 672: 413 ms) does not fit."""
     from segserve.simulator.budget import DEFAULT_TARGET_ITL_MS
 
     model = LinearStepModel({"step": 0.010, "padded_tokens": 0.0006})
     assert DEFAULT_TARGET_ITL_MS == 400.0
-    assert auto_budget(model, 0.250, 16, 256, 8192).budget == 256
+    assert auto_budget(model, 0.250, 16, 256, 8192).budget == 384
     choice = auto_budget(model, DEFAULT_TARGET_ITL_MS / 1000, 16, 256, 8192)
-    assert choice.budget == 512 and math.isclose(choice.predicted_s, 0.010 + 512 * 0.0006)
+    assert choice.budget == 640 and math.isclose(choice.predicted_s, 0.010 + 640 * 0.0006)
 
 
 def test_auto_attention_cost_is_the_row_cost_over_the_attention_cost():
@@ -110,7 +110,7 @@ def test_auto_budget_counts_decodes_and_the_chunk_attention():
 
 def test_a_given_budget_wins_and_must_hold_a_block():
     assert settle_budget(512, ROWS, 250, 16, 64, 8192).budget == 512
-    assert settle_budget("auto", ROWS, 200, 16, 64, 8192).budget == 128
+    assert settle_budget("auto", ROWS, 200, 16, 64, 8192).budget == 160
     with pytest.raises(ValueError, match=r"--max-num-batched-tokens 8 is below the block size 16 \(--block"):
         settle_budget(8, ROWS, 250, 16, 64, 8192)
 
@@ -163,5 +163,5 @@ def test_simulate_sizes_auto_from_the_profile(tmp_path, capsys):
     rc = main(["simulate", *tiny, "--profile", str(prof), "--max-num-batched-tokens", "auto",
                "--target-itl-ms", "200", "--output-json", str(out)])
     assert rc == 0
-    assert json.loads(out.read_text())["settings"]["max_num_batched_tokens"] == 128
-    assert "[simulate] max_num_batched_tokens auto = 128" in capsys.readouterr().err
+    assert json.loads(out.read_text())["settings"]["max_num_batched_tokens"] == 160
+    assert "[simulate] max_num_batched_tokens auto = 160" in capsys.readouterr().err

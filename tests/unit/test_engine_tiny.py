@@ -216,7 +216,7 @@ def test_offline_llm_defaults_to_vllm_cpus_offline_budget(tiny):
     llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
     sched = llm.llm_engine.config.scheduler
     assert sched.max_num_batched_tokens == 4096
-    assert sched.num_batched_tokens_buckets[-1] == 4096 and sched.padded_num_tokens(300) == 512
+    assert sched.num_batched_tokens_buckets[-1] == 4096 and sched.padded_num_tokens(300) == 320
     assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # it runs
     small = dict(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
     explicit = LLM(**small, max_num_batched_tokens=48)

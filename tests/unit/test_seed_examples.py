@@ -8,7 +8,9 @@ from segserve.config import EngineConfig
 
 
 def test_10000_token_prompt_under_2048_budget_takes_5_steps():
-    sched = make_scheduler(num_blocks=100, block_size=128, budget=2048, max_model_len=10240, segment=1024)
+    # The seed's configuration: one bucket of 2048 (its "valid: buckets match" example).
+    sched = make_scheduler(num_blocks=100, block_size=128, budget=2048, max_model_len=10240, segment=1024,
+                           num_batched_tokens_buckets=(2048,))
     sched.add_request(make_request("req_0", list(range(10_000)), max_tokens=1))
     req = sched.requests["req_0"]
     computed, scheduled, padded, priors = [req.num_computed_tokens], [], [], []
