@@ -74,9 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     scale_out.add_cli_args(srv)
     # The server sizes its budget for --target-itl-ms; offline use (LLM, generate) keeps 512.
-    # --attention-cost-tokens stays 0 (off) unless given; ``auto`` sizes K with an automatic budget
-    # (``budget.attention_cost_for``).
-    srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO)
+    # --attention-cost-tokens not given: ``auto`` (K sized with the automatic budget) when the budget is
+    # automatic, 0 (off) with a given one (``budget.attention_cost_for``).
+    srv.set_defaults(func=run_serve, max_num_batched_tokens=AUTO, attention_cost_tokens=None)
 
 
 def run_serve(args: argparse.Namespace) -> int:

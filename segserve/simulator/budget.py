@@ -108,16 +108,27 @@ def auto_budget(
     )
     k = auto_attention_cost(model)
     if k:
-        line += f"; attention cost K = {k} tokens with --attention-cost-tokens auto (off by default)"
+        line += f"; attention cost K = {k} tokens with --attention-cost-tokens auto (serve's default)"
     return BudgetChoice(best, True, best_t, target_s, line, k)
 
 
+# ``auto``'s K is this many times the break-even K (row cost / attention unit cost): a late chunk may
+# then run up to ~1.5x the sized step at 3k cached tokens instead of exactly its time. At the break-even
+# K (2,288 on this machine's bf16 profile) the stall scenario's max ITL was 482 ms but the shared-prefix
+# workload's TTFT p50 / p99 338 / 4,076 ms (its cold 2k-token prompts chunked finer); at twice it, in two
+# runs, max ITL 556 / 504 ms with prefix TTFT 203 / 2,732 and 207 / 3,183 ms, against 760-795 ms and
+# 197-206 / 2,297-3,013 ms with the cost budget off (`benchmarks/vs_vllm.py --only serve,prefix,stall
+# --engines segserve`, Zen 4, 2026-12-03; README "Against vLLM-CPU").
+ATTENTION_COST_SLACK = 2
+
+
 def auto_attention_cost(model: StepTimeModel) -> int:
-    """K for the attention-cost-weighted budget that tracks ``model``: the cost of a padded row over
-    the cost of one unit of chunk attention, so that the scheduler's charge for a chunk of ``n``
-    tokens after ``p`` cached, ``n + n (p + n) / K`` (``SchedulerConfig``), grows with ``p`` as the
-    predicted step time does, and a late chunk of a long prompt fits the time of a first one (Sarathi-
-    Serve's bound on every step, not only the sized one). 0 (off) for a model without both terms.
+    """K for the attention-cost-weighted budget that tracks ``model``: ``ATTENTION_COST_SLACK`` times
+    the cost of a padded row over the cost of one unit of chunk attention, so that the scheduler's
+    charge for a chunk of ``n`` tokens after ``p`` cached, ``n + n (p + n) / K`` (``SchedulerConfig``),
+    grows with ``p`` as (a share of) the predicted step time does, and a late chunk of a long prompt
+    stays near the time of a first one (Sarathi-Serve's bound on every step, not only the sized one).
+    0 (off) for a model without both terms.
     """
     if not isinstance(model, LinearStepModel):
         return 0
@@ -125,7 +136,7 @@ def auto_attention_cost(model: StepTimeModel) -> int:
     per_attn = model.coefficients.get("prefill_attn", 0.0)
     if not (per_row > 0 and per_attn > 0):
         return 0
-    return max(1, round(per_row / per_attn))
+    return max(1, round(ATTENTION_COST_SLACK * per_row / per_attn))
 
 
 def settle_budget(
@@ -150,18 +161,16 @@ def settle_budget(
     return BudgetChoice(value, False, math.nan, math.nan, f"max_num_batched_tokens = {value} (given)")
 
 
-def attention_cost_for(given: int | str, settled: BudgetChoice) -> int:
-    """``--attention-cost-tokens`` of ``segserve serve``: a number as given (0, the default: off), or
-    ``auto``: the K sized with an automatic budget (``settled.attention_cost_tokens``).
-
-    Off by default: on this machine's bfloat16 profile (K = 2,209 at budget 512) the weighted budget
-    cut the stall scenario's max ITL (411-903 vs 602-1,419 ms) but slowed the shared-prefix workload's
-    TTFT p50 3.6x (1,802 vs 501 ms) and the long prompt's TTFT (`benchmarks/vs_vllm.py --only
-    prefix,stall --engines segserve`, 2026-12-02, docs/perf.md "Serving").
+def attention_cost_for(given: int | str | None, settled: BudgetChoice) -> int:
+    """``--attention-cost-tokens`` of ``segserve serve``: a number as given (0: off), or ``auto``: the K
+    sized with an automatic budget (``settled.attention_cost_tokens``); not given (None): ``auto`` with
+    an automatic budget, 0 with a given one (see ``ATTENTION_COST_SLACK`` for why it is on).
 
     Raises:
         ValueError: ``auto`` with a given budget, naming both flags.
     """
+    if given is None:
+        return settled.attention_cost_tokens if settled.auto else 0
     if given != "auto":
         return int(given)
     if not settled.auto:

@@ -53,23 +53,29 @@ def test_the_default_target_lets_a_chat_sized_prompt_into_one_step():
     assert choice.budget == 640 and math.isclose(choice.predicted_s, 0.010 + 640 * 0.0006)
 
 
-def test_auto_attention_cost_is_the_row_cost_over_the_attention_cost():
-    """K = cost of a padded row / cost of one unit of chunk attention: this machine's bfloat16 profile
-    (0.455 ms a row, 2.06e-7 s per unit) gives ~2,200; without an attention term there is none."""
+def test_auto_attention_cost_is_twice_the_row_cost_over_the_attention_cost():
+    """K = 2 x the cost of a padded row / the cost of one unit of chunk attention
+    (``ATTENTION_COST_SLACK``): this machine's bfloat16 profile (0.455 ms a row, 2.06e-7 s per unit)
+    gives ~4,400; without an attention term there is none."""
+    from segserve.simulator.budget import ATTENTION_COST_SLACK
+
+    assert ATTENTION_COST_SLACK == 2
     model = LinearStepModel({"step": 0.020, "padded_tokens": 0.000455, "prefill_attn": 2.06e-7})
-    assert auto_attention_cost(model) == 2209
+    assert auto_attention_cost(model) == 4417  # round(2 * 0.000455 / 2.06e-7)
     choice = auto_budget(model, 0.4, 16, 256, 8192)
-    assert choice.attention_cost_tokens == 2209 and "attention cost K = 2209 tokens" in choice.line
+    assert choice.attention_cost_tokens == 4417 and "attention cost K = 4417 tokens" in choice.line
     assert auto_attention_cost(ROWS) == 0 and auto_budget(ROWS, 0.4, 16, 256, 8192).attention_cost_tokens == 0
-    # segserve serve: off unless given; auto takes K from an automatic budget; a number wins.
+    # segserve serve: not given, auto with an automatic budget and off with a given one; auto takes K
+    # from an automatic budget; a number wins.
     given = settle_budget(512, model, 400, 16, 256, 8192)
-    assert (attention_cost_for("auto", choice), attention_cost_for(0, choice)) == (2209, 0)
+    assert (attention_cost_for("auto", choice), attention_cost_for(0, choice)) == (4417, 0)
+    assert (attention_cost_for(None, choice), attention_cost_for(None, given)) == (4417, 0)
     assert attention_cost_for(1000, given) == 1000
     with pytest.raises(ValueError, match=r"--attention-cost-tokens auto is sized with "
                        r"--max-num-batched-tokens auto, not with a given budget \(512\)"):
         attention_cost_for("auto", given)
     parse = build_parser().parse_args
-    assert parse(["serve"]).attention_cost_tokens == 0 and parse(["generate"]).attention_cost_tokens == 0
+    assert parse(["serve"]).attention_cost_tokens is None and parse(["generate"]).attention_cost_tokens == 0
     assert parse(["serve", "--attention-cost-tokens", "AUTO"]).attention_cost_tokens == "auto"
 
 
