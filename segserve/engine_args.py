@@ -258,7 +258,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             type=_cost_tokens,
             help="charge chunks n + n*(prior+n)/K against a per-step cost budget (K; 0: token budget only; "
-            "auto: K from the step profile, serve with an automatic budget)",
+            "auto: twice the break-even K from the step profile, serve with an automatic budget, where "
+            "it is the default)",
         ),
     ),
     ("seed", dict(type=int)),
