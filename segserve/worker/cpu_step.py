@@ -243,9 +243,8 @@ class CpuStep:
         ``MAX_DECODE_STACK_ROWS_BLOCKS`` for a model with GGUF-block projections,
         ``MAX_DECODE_STACK_ROWS_TILES`` for a dense bfloat16 one whose tile copies :meth:`prepack` made
         (while a tile GEMM, AMX or vdpbf16ps, stays on), ``MAX_DECODE_STACK_ROWS_DENSE`` for other dense
-        ones, in the model's
-        activation dtype (0 for a dtype the kernels do not take). The simulator's ``eager_step`` feature
-        follows it (``StepComposition.stack_rows``)."""
+        ones, in the model's activation dtype (0 for a dtype the kernels do not take). The simulator's
+        ``eager_step`` feature follows it (``StepComposition.stack_rows``)."""
         if self._has_blocks is None:
             self._has_blocks = any(isinstance(m, QuantLinear) for m in _linears(self.model))
         dtype = self.model.activation_dtype

@@ -223,12 +223,23 @@ static void item(const sg_bf16gemm_args *a, const bg_plan *pl, int64_t r0, int64
     }
 }
 
-/* Item sizes: *cw units per column chunk (<= BG_W_BYTES of W, a multiple of upt where the shape allows)
- * and *rh rows per row chunk (a multiple of MR), split finer until there are ~4 items per thread. */
+/* The plan of an (N, K) weight through the epilogue (SiLU-mul or not). */
+static bg_plan plan_for(int silu, int64_t N, int64_t K) {
+    return (bg_plan){silu, silu ? NV / 2 : NV, silu ? 2 : 1, silu ? N / 32 : N / 16, K / 2};
+}
+
+/* Units per column chunk: at most BG_W_BYTES of W (kept in L2 across an item's row panels), a multiple
+ * of upt, at least upt. */
+static int64_t chunk_units(int64_t K, const bg_plan *pl) {
+    const int64_t c = BG_W_BYTES / (K * 32 * pl->bpu) / pl->upt * pl->upt;
+    return c < pl->upt ? pl->upt : c;
+}
+
+/* Item sizes: *cw units per column chunk (chunk_units, capped at the weight's) and *rh rows per row
+ * chunk (a multiple of MR), split finer until there are ~4 items per thread. */
 static void item_sizes(const sg_bf16gemm_args *a, const bg_plan *pl, int threads, int64_t *cw, int64_t *rh) {
-    const int64_t unit_bytes = a->K * 32 * pl->bpu, want = 4 * (int64_t)threads;
-    int64_t c = BG_W_BYTES / unit_bytes / pl->upt * pl->upt;
-    if (c < pl->upt) c = pl->upt;
+    const int64_t want = 4 * (int64_t)threads;
+    int64_t c = chunk_units(a->K, pl);
     int64_t r = BG_ROWS;
     for (;;) {
         const int64_t items = ((pl->units + c - 1) / c) * ((a->M + r - 1) / r);
@@ -249,7 +260,7 @@ int sg_bf16gemm(const sg_bf16gemm_args *a) {
     if (M < 1 || N < 16 || K < 32 || N % (silu ? 32 : 16) || K % 32 || a->ldx < K) return BG_ERR_SHAPE;
     if (epi < BG_EPI_NONE || epi > BG_EPI_SILU_MUL || (epi != BG_EPI_NONE && a->ydt != BG_DT_BF16)) return BG_ERR_SHAPE;
     if ((a->ydt != BG_DT_F32 && a->ydt != BG_DT_BF16) || a->ldy < (silu ? N / 2 : N)) return BG_ERR_SHAPE;
-    const bg_plan pl = {silu, silu ? NV / 2 : NV, silu ? 2 : 1, silu ? N / 32 : N / 16, K / 2};
+    const bg_plan pl = plan_for(silu, N, K);
     int threads = omp_get_max_threads();
     int64_t cw, rh;
     item_sizes(a, &pl, threads, &cw, &rh);
@@ -272,15 +283,13 @@ int sg_bf16gemm(const sg_bf16gemm_args *a) {
  * passes over them: the weight is read from memory once per step), each chunk by item() as sg_bf16gemm
  * runs it, so the same bits as sg_bf16gemm (and sg_amx_linear). No barrier at the end: the caller's. */
 void sg_team_gemm_run_bf16(const sg_team_gemm *g) {
-    const int silu = g->epilogue == TEAM_EPI_SILU_MUL;
     const sg_bf16gemm_args a = {.size = sizeof a, .M = g->M, .N = g->N, .K = g->K, .x = g->x, .ldx = g->ldx,
                                 .packed = g->packed, .bias = g->bias, .y = g->y, .ldy = g->ldy,
                                 .ydt = BG_DT_BF16, .epilogue = g->epilogue};
-    const bg_plan pl = {silu, silu ? NV / 2 : NV, silu ? 2 : 1, silu ? g->N / 32 : g->N / 16, g->K / 2};
+    const bg_plan pl = plan_for(g->epilogue == TEAM_EPI_SILU_MUL, g->N, g->K);
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t c0 = pl.units * t / threads, c1 = pl.units * (t + 1) / threads;
-    int64_t cw = BG_W_BYTES / (g->K * 32 * pl.bpu) / pl.upt * pl.upt;
-    if (cw < pl.upt) cw = pl.upt;
+    const int64_t cw = chunk_units(g->K, &pl);
     for (int64_t c = c0; c < c1; c += cw) item(&a, &pl, 0, g->M, c, c + cw < c1 ? c + cw : c1);
 }
 

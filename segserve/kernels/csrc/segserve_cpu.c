@@ -1039,11 +1039,11 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* What layer_tiles shares across a step (internal, tagged: no ctypes mirror). */
 /* sg_decode_stack_args.tiles: the per-row register tiles, or each layer as layer_tiles with its products
  * on AMX (sg_team_gemm_run) or on vdpbf16ps register tiles over the packed weights (sg_team_gemm_run_bf16). */
 enum { TILES_NONE = 0, TILES_AMX = 1, TILES_BF16 = 2 };
 
+/* What layer_tiles shares across a step (internal, tagged: no ctypes mirror). */
 typedef struct tile_step {
     const sg_decode_stack_args *a;
     const sg_rope_args *rope;
