@@ -79,7 +79,10 @@ def start_server(name: str, flags: str, port: int, args: argparse.Namespace, log
     log = open(log_dir / f"server_tpot_{name.split('@')[0]}.log", "w")  # noqa: SIM115 - closed when the server stops
     path = str(root)
     env = os.environ | {"PYTHONPATH": path}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # cwd too: ``python -m`` puts the working directory ahead of PYTHONPATH on sys.path, so without it
+    # every variant would run this checkout's segserve.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=path,
+                            start_new_session=True)
     return proc, log, cmd
 
 

@@ -110,15 +110,40 @@ def run_decode(llm: Any, sp_cls: Any, w: dict) -> dict:
 RUNNERS = {"prefill": run_prefill, "batch": run_batch, "decode": run_decode}
 
 
+def serve_lines(llm: Any, sp_cls: Any) -> None:
+    """``--lines``: one batch-1 decode per stdin line ``{"prompt": ids, "output_len": n}``, answered
+    on stdout with ``{"tpot_ms": ...}`` ((t_n - t_1) / (n - 1), as ``run_decode``). ``vs_vllm.py``
+    alternates these with requests to the server, so the server's batch-1 TPOT and the offline one
+    come from the same minutes of this shared host, not from runs minutes apart."""
+    import sys
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        n = req["output_len"]
+        t1, _ = timed(llm, sp_cls, [req["prompt"]], 1)
+        tn, outs = timed(llm, sp_cls, [req["prompt"]], n)
+        assert output_tokens(outs) == n, "the engine stopped early despite ignore_eos"
+        print(json.dumps({"tpot_ms": 1000.0 * (tn - t1) / (n - 1)}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=["vllm", "segserve"], required=True)
     p.add_argument("--spec", required=True, help="JSON file: model, dtype, engine_kwargs, workloads")
-    p.add_argument("--out", required=True, help="JSON file the results go to")
+    p.add_argument("--out", help="JSON file the results go to (required without --lines)")
+    p.add_argument("--lines", action="store_true", help="answer batch-1 decode requests read from stdin "
+                   "(serve_lines) instead of running the spec's workloads")
     args = p.parse_args(argv)
+    if not args.lines and not args.out:
+        p.error("--out is required without --lines")
     spec = json.loads(Path(args.spec).read_text())
     t0 = time.perf_counter()
     llm, sp_cls, info = make_engine(args.engine, spec)
+    if args.lines:
+        timed(llm, sp_cls, [spec.get("warmup") or list(range(100, 612))], 4)
+        serve_lines(llm, sp_cls)
+        return 0
     results: dict[str, Any] = {"_engine": info | {"startup_s": time.perf_counter() - t0}}
     timed(llm, sp_cls, [spec.get("warmup") or list(range(100, 612))], 4)  # first-call costs: in no figure
     for name, w in spec["workloads"].items():

@@ -42,3 +42,26 @@ def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
     dec = out["decode_b2"]
     assert (dec["batch"], dec["output_len"], len(dec["rates"])) == (2, 6, 1)
     assert dec["tpot_ms"] > 0 and len(out["decode_b2"]["load_before"]) == 3
+
+
+def test_segserve_driver_lines_mode_answers_each_request(tiny_model_dir, tmp_path):
+    """``--lines``: ready once loaded, then one TPOT per request line, until stdin closes."""
+    spec = {"model": str(tiny_model_dir), "dtype": "float32", "warmup": _ids(24, 99),
+            "engine_kwargs": {"block_size": 8, "num_kv_blocks": 64, "seed": 0}, "workloads": {}}
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    lines = "".join(json.dumps({"prompt": _ids(16, 40 + k), "output_len": 5}) + "\n" for k in range(2))
+    cmd = [sys.executable, str(DRIVER), "--engine", "segserve", "--spec", str(spec_path), "--lines"]
+    r = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, input=lines, timeout=300)
+    answers = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert answers[0] == {"ready": True}
+    assert len(answers) == 3 and all(a["tpot_ms"] > 0 for a in answers[1:])
+
+
+def test_driver_needs_out_without_lines(tmp_path):
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text("{}")
+    r = subprocess.run([sys.executable, str(DRIVER), "--engine", "segserve", "--spec", str(spec_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--out is required without --lines" in r.stderr
