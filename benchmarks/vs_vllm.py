@@ -910,8 +910,9 @@ def serve_tpot(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -
                 raise RuntimeError(f"streamed request failed: {t.error}")
             tpots.append(1000.0 * t.tpot)
             if offline is not None:
-                other = random_ids(256, args.seed + 4100 + rep, args.vocab_size)
-                off.append(offline.tpot_ms(other, args.tpot_output_len))
+                one = random_ids(256, args.seed + 4100 + rep, args.vocab_size)
+                full = random_ids(256, args.seed + 4200 + rep, args.vocab_size)
+                off.append(offline.tpot_ms(one, full, args.tpot_output_len))
     finally:
         if offline is not None:
             offline.close()
@@ -941,8 +942,10 @@ class OfflineLines:
             raise RuntimeError(f"the offline driver exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def tpot_ms(self, prompt: list[int], output_len: int) -> float:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "output_len": output_len}) + "\n")
+    def tpot_ms(self, one: list[int], full: list[int], output_len: int) -> float:
+        """(t_n - t_1) / (n - 1): ``one`` timed to its first token, then ``full`` (a distinct prompt,
+        so its prefill misses the prefix cache as ``one``'s did) to ``output_len`` tokens."""
+        self.proc.stdin.write(json.dumps({"one": one, "full": full, "output_len": output_len}) + "\n")
         self.proc.stdin.flush()
         return self._read()["tpot_ms"]
 

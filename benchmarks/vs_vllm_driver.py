@@ -88,6 +88,17 @@ def run_batch(llm: Any, sp_cls: Any, w: dict) -> dict:
             "first_tokens": list(outs[0].outputs[0].token_ids[:16])}
 
 
+def first_and_full(llm: Any, sp_cls: Any, one: list[list[int]], full: list[list[int]], n: int
+                   ) -> tuple[float, float, list]:
+    """t_1 (``one`` with ``max_tokens=1``), t_n (``full`` with ``max_tokens=n``) and the full run's
+    outputs. Distinct prompts for the two, so neither hits the prefix cache and t_n - t_1 is n - 1
+    decode steps."""
+    t1, _ = timed(llm, sp_cls, one, 1)
+    tn, outs = timed(llm, sp_cls, full, n)
+    assert output_tokens(outs) == len(full) * n, "an engine stopped early despite ignore_eos"
+    return t1, tn, outs
+
+
 def run_decode(llm: Any, sp_cls: Any, w: dict) -> dict:
     """``sets[0]`` warms the batch shape up; then per repeat one set with ``max_tokens=1`` and
     another with ``max_tokens=n``: distinct prompts, so neither call hits the prefix cache."""
@@ -95,9 +106,7 @@ def run_decode(llm: Any, sp_cls: Any, w: dict) -> dict:
     timed(llm, sp_cls, sets[0], 2)
     firsts, fulls, rates = [], [], []
     for one, full in zip(sets[1::2], sets[2::2], strict=True):
-        t1, _ = timed(llm, sp_cls, one, 1)
-        tn, outs = timed(llm, sp_cls, full, n)
-        assert output_tokens(outs) == len(full) * n, "an engine stopped early despite ignore_eos"
+        t1, tn, outs = first_and_full(llm, sp_cls, one, full, n)
         firsts.append(t1)
         fulls.append(tn)
         rates.append(len(full) * (n - 1) / (tn - t1))
@@ -111,20 +120,20 @@ RUNNERS = {"prefill": run_prefill, "batch": run_batch, "decode": run_decode}
 
 
 def serve_lines(llm: Any, sp_cls: Any) -> None:
-    """``--lines``: one batch-1 decode per stdin line ``{"prompt": ids, "output_len": n}``, answered
-    on stdout with ``{"tpot_ms": ...}`` ((t_n - t_1) / (n - 1), as ``run_decode``). ``vs_vllm.py``
-    alternates these with requests to the server, so the server's batch-1 TPOT and the offline one
-    come from the same minutes of this shared host, not from runs minutes apart."""
+    """``--lines``: one batch-1 decode per stdin line ``{"one": ids, "full": ids, "output_len": n}``
+    (two distinct prompts, as ``run_decode``'s sets), answered on stdout with ``{"tpot_ms": (t_n -
+    t_1) / (n - 1), "cached_tokens": the full run's prefix-cache hits}``. ``vs_vllm.py`` alternates
+    these with requests to the server, so the server's batch-1 TPOT and the offline one come from the
+    same minutes of this shared host, not from runs minutes apart."""
     import sys
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         n = req["output_len"]
-        t1, _ = timed(llm, sp_cls, [req["prompt"]], 1)
-        tn, outs = timed(llm, sp_cls, [req["prompt"]], n)
-        assert output_tokens(outs) == n, "the engine stopped early despite ignore_eos"
-        print(json.dumps({"tpot_ms": 1000.0 * (tn - t1) / (n - 1)}), flush=True)
+        t1, tn, outs = first_and_full(llm, sp_cls, [req["one"]], [req["full"]], n)
+        cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
+        print(json.dumps({"tpot_ms": 1000.0 * (tn - t1) / (n - 1), "cached_tokens": cached}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,19 +45,23 @@ def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
 
 
 def test_segserve_driver_lines_mode_answers_each_request(tiny_model_dir, tmp_path):
-    """``--lines``: ready once loaded, then one TPOT per request line, until stdin closes."""
+    """``--lines``: ready once loaded, then one TPOT per request line, until stdin closes. The first
+    token and the full run take distinct prompts (as ``run_decode``'s sets): the same prompt twice would
+    let the full run's prefill hit the prefix cache and leave its prefill out of t_n - t_1."""
     spec = {"model": str(tiny_model_dir), "dtype": "float32", "warmup": _ids(24, 99),
             "engine_kwargs": {"block_size": 8, "num_kv_blocks": 64, "seed": 0}, "workloads": {}}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     # 24 tokens: the 23 decode steps after the first token outweigh the timing noise of a tiny model.
-    lines = "".join(json.dumps({"prompt": _ids(16, 40 + k), "output_len": 24}) + "\n" for k in range(2))
+    lines = "".join(json.dumps({"one": _ids(16, 40 + k), "full": _ids(16, 60 + k), "output_len": 24}) + "\n"
+                    for k in range(2))
     cmd = [sys.executable, str(DRIVER), "--engine", "segserve", "--spec", str(spec_path), "--lines"]
     r = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, input=lines, timeout=300)
     answers = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert answers[0] == {"ready": True}
     assert len(answers) == 3 and all(a["tpot_ms"] > 0 for a in answers[1:])
+    assert [a["cached_tokens"] for a in answers[1:]] == [0, 0]
 
 
 def test_driver_needs_out_without_lines(tmp_path):
