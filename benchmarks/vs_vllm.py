@@ -373,9 +373,10 @@ def estimate_s(unit: Unit, args: argparse.Namespace) -> float:
                      (DECODE1_TOK_S if b == 1 else DECODE8_TOK_S) for b in args.decode_batches)
         elif w == "serve":
             s += BENCH_CLIENT_START_S + args.num_prompts / args.request_rate + 20
-            s += 3 * (args.tpot_output_len / DECODE1_TOK_S + 2)
-            if unit.engine == "segserve":  # the interleaved offline requests (serve_tpot)
-                s += SEGSERVE_START_S + 3 * (args.tpot_output_len / DECODE1_TOK_S + 2)
+            tpot_s = 3 * (args.tpot_output_len / DECODE1_TOK_S + 2)  # serve_tpot's 3 requests
+            s += tpot_s
+            if unit.engine == "segserve":  # and the offline ones between them
+                s += SEGSERVE_START_S + tpot_s
         elif w == "prefix":
             s += BENCH_CLIENT_START_S + args.prefix_num_prompts / args.prefix_rate + 20
         elif w == "stall":
@@ -622,12 +623,17 @@ def offline_specs(args: argparse.Namespace, workloads: tuple[str, ...]) -> dict[
 # ---- running an offline unit ----------------------------------------------------------------------
 
 
+def driver_spec(unit: Unit, args: argparse.Namespace, workloads: dict[str, dict]) -> dict:
+    """The driver's input for ``unit``'s engine and dtype (``vs_vllm_driver.py``): the offline group's
+    engine settings, whichever workloads it runs."""
+    kwargs = {"max_model_len": 8192, "seed": args.seed} if unit.engine == "vllm" else {"seed": args.seed}
+    return {"model": str(args.hf_dir), "dtype": unit.dtype, "engine_kwargs": kwargs, "workloads": workloads,
+            "warmup": random_ids(512, args.seed + 7, args.vocab_size)}
+
+
 def run_offline(unit: Unit, args: argparse.Namespace, record: dict) -> dict[str, dict]:
     """The driver in a subprocess: vLLM's venv interpreter or this one; returns results by key."""
-    specs = offline_specs(args, unit.workloads)
-    kwargs = {"max_model_len": 8192, "seed": args.seed} if unit.engine == "vllm" else {"seed": args.seed}
-    spec = {"model": str(args.hf_dir), "dtype": unit.dtype, "engine_kwargs": kwargs, "workloads": specs,
-            "warmup": random_ids(512, args.seed + 7, args.vocab_size)}
+    spec = driver_spec(unit, args, offline_specs(args, unit.workloads))
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -926,8 +932,7 @@ class OfflineLines:
     """segserve's offline ``LLM`` in the driver's ``--lines`` mode: batch-1 decodes on request."""
 
     def __init__(self, unit: Unit, args: argparse.Namespace) -> None:
-        spec = {"model": str(args.hf_dir), "dtype": unit.dtype, "engine_kwargs": {"seed": args.seed},
-                "workloads": {}, "warmup": random_ids(512, args.seed + 7, args.vocab_size)}
+        spec = driver_spec(unit, args, {})
         self.tmp = tempfile.TemporaryDirectory(prefix="vs_vllm_lines_")
         spec_path = Path(self.tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
