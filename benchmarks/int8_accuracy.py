@@ -1,16 +1,18 @@
-"""Accuracy of the int8-activation GGUF kernel (``SEGSERVE_QUANT_INT8``) on the real model.
+"""Accuracy of the integer-activation GGUF path (``SEGSERVE_QUANT_INT8``, on by default) on the real model.
 
 For the default model (Q4_1 SmolLM2) or ``--model FILE``, in ``--dtype``: greedy output of the demo's
 two questions (the Apache-2.0 document, chat template, ``--demo-tokens`` tokens) and of the e2e parity
-prompts (tests/e2e/test_engine_parity.py's five, ``--e2e-tokens`` tokens), once with the int8 path
-off (the float kernels: exact dequantized weights, float32 products) and once on. Reports per prompt
-whether the greedy tokens are equal, where they first differ, and the max |logit difference| over the
-steps both runs share (every step up to the first differing token; logits as the LM head returns them,
-float32). Writes ``results/int8_accuracy.json``.
+prompts (tests/e2e/test_engine_parity.py's five, ``--e2e-tokens`` tokens), once with the integer path
+off (the float kernels: exact dequantized weights, float32 products) and once on (one-row Q4_0 / Q4_1
+products on 16-bit fixed-point activations, ``quant.int8_formats``; Q8_0 files are unaffected).
+Reports per prompt whether the greedy tokens are equal, where they first differ, and the max |logit
+difference| over the steps both runs share (every step up to the first differing token; logits as the
+LM head returns them, float32). Writes ``results/int8_accuracy.json``.
 
 Prefix caching is on so the second run of a prompt reuses the first's KV blocks of the long prompts
-(prefill chunks take the dequantize-then-GEMM path, which the switch does not touch): the int8 run
-recomputes only the prompt's last partial block and the last token, then decodes with int8 throughout.
+(prefill chunks take the dequantize-then-GEMM path, which the switch does not touch): the integer run
+recomputes only the prompt's last partial block and the last token, then decodes with it throughout.
+Prints one line per prompt and a summary line.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not quant.int8_built():
-        raise SystemExit("this CPU or build has no AVX-512 VNNI int8 kernel")
+        raise SystemExit("this CPU or build has no AVX-512 VNNI integer-activation kernel")
     kw = {} if args.model is None else {"model": args.model}
     llm = LLM(dtype=args.dtype, enable_prefix_caching=True, **kw)
     report = {"dtype": args.dtype, "model": args.model or "default", "prompts": {}}
@@ -94,6 +96,11 @@ def main() -> None:
         print(f"{args.dtype} {name}: {len(ids)} prompt tokens, {len(ref)} generated, "
               f"{'equal' if ref == got else f'first differs at {first}'}, max |logit diff| {diff:.4f}",
               flush=True)
+    rows = report["prompts"].values()
+    equal = sum(r["equal"] for r in rows)
+    worst = max(r["max_abs_logit_diff"] for r in rows)
+    print(f"int8_accuracy: {equal}/{len(rows)} prompts with equal greedy tokens, max |logit diff| "
+          f"{worst:.4f} ({args.dtype}, {args.model or 'default model'})")
     report["load"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -13,7 +13,8 @@ each up to the end of its closing barrier, so waiting for the other thread count
 ``time.perf_counter`` around the engine's calls (``scheduler.schedule``, ``runner.execute_model``,
 ``CpuStep.forward`` / ``compute_logits``, the sampler, ``update_from_output``, the output processor).
 Reported per decode token (the prefill step and the first token left out), medians over rounds.
-``--int8`` runs with the int8-activation kernels (``SEGSERVE_QUANT_INT8``).
+``--float-activations`` turns the default integer-activation path of one-row Q4 products off
+(``SEGSERVE_QUANT_INT8=0``).
 
 Prints one line per part and writes ``--out`` as JSON. Quote the load average (printed) with it.
 """
@@ -74,13 +75,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--int8", action="store_true", help="int8 activations (quant.set_int8)")
+    p.add_argument("--float-activations", action="store_true",
+                   help="the float kernels throughout (quant.set_int8(False))")
     p.add_argument("--read-gbs", type=float, default=29.0,
                    help="the machine's read bandwidth, GB/s, that achieved rates are compared with")
     p.add_argument("--out", default="results/profile_quant_decode.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    quant.set_int8(args.int8)
+    quant.set_int8(not args.float_activations)
     kw = {} if args.model is None else {"model": args.model}
     llm = LLM(dtype=args.dtype, max_model_len=2048, enable_prefix_caching=False, **kw)
     engine = llm.llm_engine
@@ -151,7 +153,8 @@ def main() -> None:
     if med["lm_head"] > 0:
         gbs["lm_head"] = head_bytes / (med["lm_head"] * 1e-3) / 1e9
     rep = {
-        "model": args.model or "default", "dtype": args.dtype, "int8": quant.int8_enabled(),
+        "model": args.model or "default", "dtype": args.dtype,
+        "integer_activations": quant.int8_formats(1) != 0,
         "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
         "load_avg": os.getloadavg(), "ms_per_token_median": med, "ms_per_token_min": mins,
         "derived_ms": derived, "gb_s": gbs, "read_gb_s": bw,

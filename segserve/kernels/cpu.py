@@ -724,14 +724,15 @@ class DecodeStack:
         lens: torch.Tensor,
         kv_segment_size: int,
         scale: float,
-        int8: bool = False,
+        int8_formats: int = 0,
         tiles: str | None = None,
         head: StackHead | None = None,
     ) -> torch.Tensor:
         """One decode-only step through every layer, ``h`` ``(M, H)`` updated in place and returned;
-        ``kv_caches`` one per layer, each of the shape the stack was built for. ``int8``: the GGUF-block
-        projections round their input rows to int8 blocks first (``quant.linear``'s ``int8``; the
-        caller checks the library has that kernel). ``tiles``: the projections as tile products of the
+        ``kv_caches`` one per layer, each of the shape the stack was built for. ``int8_formats``: a mask
+        (bit ``wqt`` set, ``quant.int8_formats``) of the GGUF formats whose projections take integer
+        activations (``quant.linear``'s ``int8``; the caller checks the library has that kernel).
+        ``tiles``: the projections as tile products of the
         stack's ``tile_weights`` (up to ``MAX_DECODE_STACK_ROWS_TILES`` rows): ``"amx"`` on AMX tiles (the
         caller checks ``amx.available()``), the same bits as ``forward_chunk`` over ``amx.linear``;
         ``"vdpbf16ps"`` on AVX-512 BF16 register tiles, the same bits as over ``bf16gemm.linear``.
@@ -789,7 +790,7 @@ class DecodeStack:
         a.slot_mapping, a.rows = slot_mapping.data_ptr(), self._arange.data_ptr()
         a.reqs = a.rows  # decode j is batch row j and block-table row j
         a.block_table, a.ld_bt, a.lens = block_table.data_ptr(), block_table.shape[1], lens.data_ptr()
-        a.seg, a.scale, a.xq8, a.tiles = kv_segment_size, scale, bool(int8), _STACK_TILES[tiles]
+        a.seg, a.scale, a.xq8, a.tiles = kv_segment_size, scale, int8_formats, _STACK_TILES[tiles]
         a.final_norm = a.lm_w = a.hidden = a.logits = None
         a.lm_wqt, a.vocab = 0, 0
         if head is not None:

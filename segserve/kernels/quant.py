@@ -10,10 +10,14 @@ Switch: ``SEGSERVE_QUANT=0`` turns these kernels off for the process (callers th
 ``gguf_blocks.dequantize_torch`` and use PyTorch's matmuls); :func:`set_enabled` at run time. They are
 also off whenever the compiled CPU kernels are (``cpu.enabled``).
 
-Int8 activations: ``SEGSERVE_QUANT_INT8=1`` (or :func:`set_int8`) makes :func:`linear` round each
-32-value block of its input rows to int8 under a float32 scale and take integer dot products with the
-blocks (AVX-512 VNNI, ``csrc/segserve_quant_vnni.c``; llama.cpp's method). Off by default: it is not the
-weights-only product (each activation moves by up to amax(block) / 254), see :func:`int8_enabled`.
+Integer activations: on a CPU with AVX-512 VNNI, a one-row product on 4-bit blocks (the batch-1 decode
+step's projections) rounds each 32-value block of its input row to 16-bit fixed point (two int8 halves
+under a float32 step, each value off by at most amax(block) / 32512) and takes integer dot products with
+the blocks (``csrc/segserve_quant_vnni.c``): ~1.2-1.4x the float kernel there, which is bound by widening
+nibbles to floats. Q8_0 stays float (its products are bound by memory: the integer path gains nothing,
+measured), and so do products of several rows (the float tiles reuse each dequantized block across rows;
+the integer kernel re-reads the weights per row). :func:`int8_formats` is that rule;
+``SEGSERVE_QUANT_INT8=0`` (or :func:`set_int8`) turns it off: the float path, weights-only exact.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import ctypes
 import torch
 
 from segserve.kernels import cpu as cpu_kernels
-from segserve.kernels.gguf_blocks import QuantWeight
+from segserve.kernels.gguf_blocks import FORMATS, QuantWeight
 from segserve.kernels.switch import Switch
 
 _P = ctypes.c_void_p
@@ -31,7 +35,7 @@ _I = ctypes.c_int32
 _L = ctypes.c_int64
 
 _switch = Switch("SEGSERVE_QUANT")
-_int8_switch = Switch("SEGSERVE_QUANT_INT8", default=False)
+_int8_switch = Switch("SEGSERVE_QUANT_INT8")
 
 
 @cpu_kernels._sized
@@ -73,13 +77,26 @@ def int8_built() -> bool:
 
 
 def int8_enabled() -> bool:
-    """True when :func:`linear` rounds activations to int8 by default: ``SEGSERVE_QUANT_INT8`` or
-    :func:`set_int8` asked for it, these kernels are on and the library has the VNNI kernel."""
+    """True when :func:`int8_formats` may pick integer activations: ``SEGSERVE_QUANT_INT8`` and
+    :func:`set_int8` leave it on (the default), these kernels are on and the library has the VNNI kernel."""
     return _int8_switch.on and enabled() and int8_built()
 
 
+# Formats whose one-row products take integer activations (ggml type ids: Q4_0, Q4_1).
+INT8_FORMATS = (FORMATS["Q4_0"][0], FORMATS["Q4_1"][0])
+
+
+def int8_formats(rows: int) -> int:
+    """Mask of the GGUF formats (bit ``wqt`` set) whose products of ``rows`` input rows take integer
+    activations by default: Q4_0 and Q4_1 when ``rows == 1`` and :func:`int8_enabled`, else none (0).
+    The decode stack takes the mask as is; :func:`linear` asks it per weight."""
+    if rows != 1 or not int8_enabled():
+        return 0
+    return sum(1 << t for t in INT8_FORMATS)
+
+
 def set_int8(flag: bool) -> bool:
-    """Switch the int8-activation path on or off for this process; returns the previous setting."""
+    """Switch the integer-activation path on or off for this process; returns the previous setting."""
     return _int8_switch.set(flag)
 
 
@@ -116,13 +133,17 @@ def linear(
         prologue, norm_weight, eps, residual: as ``cpu.linear`` (``residual`` ``(M, N)`` in x's dtype,
             updated in place as ``residual += result``, the product rounded to the dtype first).
         out_dtype: dtype of a new output (default x's); float32 for logits.
-        int8: round ``prologue(x)`` to int8 per 32-value block first (None: :func:`int8_enabled`).
+        int8: round ``prologue(x)`` to 16-bit fixed point per 32-value block first and take integer
+            dot products (None: as :func:`int8_formats` picks for this weight and row count).
 
     Numerics: the weights are the exact dequantized values, multiplied with x in float32 (bfloat16
     x widened exactly) and summed in float32; the result rounded to x's dtype as ``F.linear`` would.
-    With ``int8``, x is first rounded to ``q * amax / 127`` per block of 32 (``q`` int8, nearest even),
-    so each output moves by at most ``sum over blocks of amax / 254 * sum |w|`` from the float result.
-    Meant for a few rows (decode steps): each tile of weights is dequantized once per 8 rows.
+    With ``int8``, x is first rounded per block of 32 to ``(256 q1 + q2) * amax / 127 / 256`` (``q1 =
+    round(x * 127 / amax)``, ``q2`` the remainder in 256ths of that step, both int8, nearest even), so
+    each output moves by at most ``sum over blocks of amax / 32512 * sum |w|`` from the float result
+    (one step: half a step but where a remainder saturates at 127). Meant for a few rows (decode
+    steps): each float tile of weights is dequantized once per 8 rows; the integer path streams the
+    weights once per row.
 
     Returns:
         ``(M, N)``: ``residual`` when given, else a new tensor.
@@ -134,7 +155,7 @@ def linear(
     _check_weight(weight)
     n, k = weight.shape
     if int8 is None:
-        int8 = int8_enabled()
+        int8 = bool(int8_formats(x.shape[0] if x.dim() == 2 else 0) >> weight.wqt & 1)
     elif int8 and not int8_built():
         raise ValueError("int8=True needs the AVX-512 VNNI kernel, which this CPU or build lacks")
     dt = cpu_kernels._dtype_code(x, "x")

@@ -2,8 +2,7 @@
 
 ``SEGSERVE_CPU_KERNELS``, ``SEGSERVE_AMX``, ``SEGSERVE_BF16GEMM``, ``SEGSERVE_CHUNK_ATTENTION``,
 ``SEGSERVE_QUANT`` and ``SEGSERVE_QUANT_INT8`` each name one: a value of 0/false/off/no turns that
-family off for the process, anything else turns it on; unset leaves the family's default (on for all
-but ``SEGSERVE_QUANT_INT8``).
+family off for the process, anything else turns it on; unset leaves the family's default (on).
 Benchmarks and tests flip a switch at run time with :meth:`Switch.set` or ``with switch.off():``.
 """
 

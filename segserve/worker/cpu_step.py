@@ -184,7 +184,7 @@ class CpuStep:
             head = None if tiles else self._stack_head(rows, dtype)
             stack.run(kv_caches, h, cos, sin, metadata.slot_mapping, metadata.block_table,
                       metadata.seq_lens.long(), metadata.kv_segment_size, model.layers[0].self_attn.scale,
-                      int8=quant.int8_enabled(), tiles=tiles, head=head)
+                      int8_formats=quant.int8_formats(rows), tiles=tiles, head=head)
             if head is not None:  # the final norm and the logits came out of the same call
                 self._step_logits = (head.hidden, head.logits)
                 return head.hidden

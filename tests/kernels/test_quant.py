@@ -96,7 +96,7 @@ def test_linear_equals_dequantize_then_matmul(qtype, dtype, n, k, m):
     w = random_blocks(qtype, n, k, seed=n + k + m)
     ref_w = gguf_reference(w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    got = quant.linear(x, w)
+    got = quant.linear(x, w, int8=False)  # the float kernel (test_quant_int8.py: the integer one)
     assert got.dtype == dtype and got.shape == (m, n)
     want = F.linear(x.float(), ref_w)
     abs_sum = F.linear(x.float().abs(), ref_w.abs())
@@ -120,7 +120,8 @@ def test_linear_prologues_bias_and_residual(qtype, dtype, prologue):
     xin = _eager_prologue(x, prologue, norm)  # in dtype, rounded as the model rounds
     product = F.linear(xin.float(), ref_w) + bias.float()
     abs_sum = F.linear(xin.float().abs(), ref_w.abs())
-    got = quant.linear(x, w, bias, prologue=prologue, norm_weight=norm, eps=1e-5, residual=residual)
+    got = quant.linear(x, w, bias, prologue=prologue, norm_weight=norm, eps=1e-5, residual=residual,
+                       int8=False)
     assert got is residual
     if dtype == torch.float32:
         assert_product_close(got - start, product, abs_sum)
@@ -138,7 +139,7 @@ def test_linear_prologues_bias_and_residual(qtype, dtype, prologue):
 def test_linear_logits_in_float32_from_bfloat16_rows():
     w = random_blocks("Q8_0", 300, 64, seed=3)
     x = torch.randn(2, 64).bfloat16()
-    got = quant.linear(x, w, out_dtype=torch.float32)
+    got = quant.linear(x, w, out_dtype=torch.float32, int8=False)
     assert got.dtype == torch.float32
     # Rounded to bfloat16 first, as cpu.linear and the model's compute_logits (F.linear, then .float()).
     assert torch.equal(got, got.bfloat16().float())

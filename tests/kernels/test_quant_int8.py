@@ -1,19 +1,22 @@
-"""The int8-activation GGUF kernel (csrc/segserve_quant_vnni.c, ``quant.linear(..., int8=True)``).
+"""The integer-activation GGUF kernel (csrc/segserve_quant_vnni.c, ``quant.linear(..., int8=True)``).
 
 Two oracles:
 
 - an emulation in PyTorch of what the kernel computes: each 32-value block of the (prologue's) input
-  row rounded to ``q = round_half_even(x * float32(127 / amax))`` (``q * amax / 127`` its value), times the
-  exact dequantized weights (``gguf.quants.dequantize``), summed in float64. The kernel's integer sums
-  are exact, so it differs from this only by float32 rounding of the block scales and the sum over
+  row rounded to 16-bit fixed point, ``q1 = round_half_even(x * float32(127 / amax))``, the remainder
+  ``float32(x - s q1)`` (``s = float32(amax / 127)``, one rounding as the FMA) rounded to ``q2 =
+  round(r * float32(32512 / amax))`` saturated to int8, the value ``(256 q1 + q2) * s / 256``; times
+  the exact dequantized weights (``gguf.quants.dequantize``), summed in float64. The kernel's integer
+  sums are exact, so it differs from this only by float32 rounding of the block scales and the sum over
   blocks: within ``1e-5 * sum |x_q w|`` (the float32 bound used for the float kernel in test_quant.py)
   plus one bfloat16 ulp for bfloat16 outputs;
-- dequantize-then-matmul on the exact x: the int8 rounding moves each input by at most half a step
-  (``amax_b / 254`` in block ``b``), so an output is within ``sum_b amax_b / 254 * sum_{k in b} |w_k|``
-  of it (plus the float32 bound above): the accuracy the int8 path trades for speed, stated per output.
+- dequantize-then-matmul on the exact x: the rounding moves each input by at most one step
+  (``amax_b / 32512`` in block ``b``; half a step but where a remainder saturates), so an output is
+  within ``sum_b amax_b / 32512 * sum_{k in b} |w_k|`` of it (plus the float32 bound above): what the
+  integer path gives up, stated per output, 128 times less than 8-bit activations would.
 
 Shapes: block counts odd and even (an odd last block is paired with zeros), weight rows not a multiple
-of the tile, 1-8 rows and 13 (two row tiles).
+of the tile, 1-8 rows and 13.
 """
 
 from __future__ import annotations
@@ -37,20 +40,25 @@ QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """``(M, K)`` float32 -> the values the kernel multiplies: ``q * amax / 127`` per block of 32."""
+    """``(M, K)`` float32 -> the values the kernel multiplies: ``(256 q1 + q2) * s / 256`` per block of 32."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # float32, as the kernel
-    q = (blocks * inv).round()  # half to even, as vcvtps2dq
-    return (q.double() * (amax.double() / 127)).reshape(x.shape)
+    live = amax > 0
+    inv = torch.where(live, 127.0 / amax, torch.zeros_like(amax))  # float32, as the kernel
+    inv2 = torch.where(live, 32512.0 / amax, torch.zeros_like(amax))
+    s = amax / 127  # float32
+    q1 = (blocks * inv).round()  # half to even, as vcvtps2dq
+    r = (blocks.double() - s.double() * q1.double()).float()  # the FMA's one rounding
+    q2 = (r * inv2).round().clamp(-128, 127)  # vpmovsdb saturates
+    return ((256 * q1.double() + q2.double()) * (s.double() / 256)).reshape(x.shape)
 
 
 def int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``(M, N)``: ``sum_b amax_b / 254 * sum_{k in b} |w_k|``, the most int8 rounding moves an output."""
+    """``(M, N)``: ``sum_b amax_b / 32512 * sum_{k in b} |w_k|``, the most the rounding moves an output."""
     m, k = x.shape
     amax = x.float().abs().reshape(m, k // 32, 32).amax(-1).double()  # (M, nb)
     wsum = w.double().abs().reshape(w.shape[0], k // 32, 32).sum(-1)  # (N, nb)
-    return (amax / 254) @ wsum.T
+    return (amax / 32512) @ wsum.T
 
 
 def check(got: torch.Tensor, x: torch.Tensor, w, bf16_out: bool = False) -> None:
@@ -119,20 +127,28 @@ def test_a_block_of_zeros_contributes_nothing_and_the_logits_shape_is_float32():
 
 
 @needs_vnni
-def test_the_switch_is_off_by_default_and_off_gives_the_float_kernels_results_bit_for_bit(monkeypatch):
+def test_one_row_4bit_products_take_the_integer_path_by_default_and_the_rest_stay_float():
+    """The default rule (quant.int8_formats): on for one-row Q4_0 / Q4_1 products, float for Q8_0 and
+    for several rows; the switch off gives the float kernels' results bit for bit."""
     if "SEGSERVE_QUANT_INT8" not in os.environ:
-        assert not quant.int8_enabled() and not env_on("SEGSERVE_QUANT_INT8", default=False)
-    w = random_blocks("Q4_1", 37, 160, seed=5)
-    x = torch.randn(4, 160, generator=torch.Generator().manual_seed(0))
-    old = quant.set_int8(False)
+        assert quant.int8_enabled() and env_on("SEGSERVE_QUANT_INT8")
+    old = quant.set_int8(True)
     try:
-        off = quant.linear(x, w)
-        assert torch.equal(off, quant.linear(x, w, int8=False))
-        quant.set_int8(True)
-        assert quant.int8_enabled()
-        on = quant.linear(x, w)
-        assert torch.equal(on, quant.linear(x, w, int8=True))
-        assert not torch.equal(on, off)  # the switch is honoured: the int8 path really ran
+        assert quant.int8_formats(1) == (1 << 2) | (1 << 3)  # ggml ids: Q4_0 = 2, Q4_1 = 3
+        assert quant.int8_formats(2) == 0 and quant.int8_formats(64) == 0
+        g = torch.Generator().manual_seed(0)
+        for qtype, rows, integer in (("Q4_1", 1, True), ("Q4_0", 1, True), ("Q8_0", 1, False),
+                                     ("Q4_1", 4, False)):
+            w = random_blocks(qtype, 37, 160, seed=5)
+            x = torch.randn(rows, 160, generator=g)
+            on = quant.linear(x, w)
+            assert torch.equal(on, quant.linear(x, w, int8=integer)), (qtype, rows)
+            assert not torch.equal(quant.linear(x, w, int8=True), quant.linear(x, w, int8=False))
+        quant.set_int8(False)
+        assert not quant.int8_enabled() and quant.int8_formats(1) == 0
+        w = random_blocks("Q4_1", 37, 160, seed=5)
+        x = torch.randn(1, 160, generator=g)
+        assert torch.equal(quant.linear(x, w), quant.linear(x, w, int8=False))
     finally:
         quant.set_int8(old)
 

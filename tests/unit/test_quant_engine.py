@@ -1,10 +1,11 @@
 """GGUF Q8_0 / Q4_0 / Q4_1 weights run in their block form (issue 16) on tiny random checkpoints
 written with the ``gguf`` package: the native engine equals the dequantize-at-load engine
-(``quantization="none"``) token for token in float32, logprobs within 1e-4, through every path a step
-can take (the one-call decode stack, the per-layer small-batch linears at budget 5, the
-dequantize-then-GEMM large steps at budget 64, and the eager path with the quantized kernels off); a
-type without a native kernel is dequantized with one log line; a truncated or mis-typed tensor is named
-in the error.
+(``quantization="none"``) token for token in float32 through every path a step can take (the one-call
+decode stack, the per-layer small-batch linears at budget 5, the dequantize-then-GEMM large steps at
+budget 64, and the eager path with the quantized kernels off), logprobs within 1e-4 on the float
+kernels and within 1e-3 where one-row 4-bit products take 16-bit integer activations (the default on a
+VNNI CPU; measured up to 4.6e-4 on these models, the float kernels 5.5e-6); a type without a native
+kernel is dequantized with one log line; a truncated or mis-typed tensor is named in the error.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
 QTYPES = ("Q8_0", "Q4_0", "Q4_1")
 LOGPROB_TOL = 1e-4
+INT_LOGPROB_TOL = 1e-3  # one-row Q4_0 / Q4_1 products on 16-bit integer activations (quant.int8_formats)
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +62,44 @@ def run(path: Path, budget: int = 64, **kwargs) -> list:
     return outs
 
 
-def assert_same(native: list, dequantized: list) -> None:
+def run_alone(path: Path, budget: int = 64) -> list:
+    """``run``, one prompt at a time: every decode step has one row (the integer path's steps)."""
+    llm = LLM(model=str(path), num_kv_blocks=64, max_num_batched_tokens=budget, max_model_len=128)
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    llm.llm_engine.check_integrity()
+    return outs
+
+
+def assert_same(native: list, dequantized: list, tol: float = LOGPROB_TOL) -> float:
+    """Equal greedy tokens and top-3 ranks, each logprob within ``tol``; returns the largest difference."""
+    moved = 0.0
     for a, b in zip(native, dequantized, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert list(la) == list(lb)  # the same top tokens in the same order
             for tid in la:
-                assert abs(la[tid] - lb[tid]) <= LOGPROB_TOL, (tid, la[tid], lb[tid])
+                assert abs(la[tid] - lb[tid]) <= tol, (tid, la[tid], lb[tid])
+                moved = max(moved, abs(la[tid] - lb[tid]))
+    return moved
+
+
+def integer_path(qtype: str) -> bool:
+    """Whether this file's one-row products take integer activations by default (Q4 projections)."""
+    return qtype != "Q8_0" and quant.int8_formats(1) != 0
 
 
 @pytest.mark.parametrize("qtype", [*QTYPES, "tied"])
 def test_native_blocks_generate_what_the_dequantized_model_generates(files, qtype):
     dequantized = run(files[qtype], quantization="none")
-    assert_same(run(files[qtype]), dequantized)  # prompts in one chunk each, decodes in one call
-    assert_same(run(files[qtype], budget=5), dequantized)  # chunks of <= 5 rows: per-layer linears
+    tol = INT_LOGPROB_TOL if integer_path(qtype) else LOGPROB_TOL
+    assert_same(run(files[qtype]), dequantized, tol)  # prompts in one chunk each, decodes in one call
+    assert_same(run(files[qtype], budget=5), dequantized, tol)  # chunks of <= 5 rows: per-layer linears
+    assert_same(run_alone(files[qtype]), dequantized, tol)  # batch-1 decode steps
+    old = quant.set_int8(False)  # the float kernels: weights-only, within float32 summation order
+    try:
+        assert_same(run(files[qtype], budget=5), dequantized)
+    finally:
+        quant.set_int8(old)
     with quant.disabled():  # SEGSERVE_QUANT=0: PyTorch dequantize-then-matmul
         assert_same(run(files[qtype]), dequantized)
 
@@ -230,29 +256,28 @@ def test_bfloat16_gguf_chunks_run_on_the_amx_gemm_near_the_onednn_path(files, mo
 
 @pytest.mark.skipif(not quant.int8_built(), reason="no AVX-512 VNNI int8 kernel on this CPU")
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_int8_activations_reach_every_small_step_path_and_stay_near_the_float_path(files, qtype):
-    """``SEGSERVE_QUANT_INT8`` (quant.set_int8) is honoured by the one-call decode stack, the per-layer
-    linears (budget 5) and the LM head: the logprobs move (the int8 path ran) but stay within 0.05 of
-    the float kernels' (measured at most ~0.01 on these tiny models: the int8 rounding moves each
-    activation by at most 1/254 of its block's largest), and the switch back off restores the float
-    results exactly."""
-    floats = run(files[qtype])
-    old = quant.set_int8(True)
+def test_integer_activations_reach_every_one_row_path_and_stay_near_the_float_path(files, qtype):
+    """The default integer path (quant.int8_formats) runs in batch-1 decode steps (the one-call stack
+    and its LM head) and the one-row per-layer linears (the last prompt row's head at budget 5): the
+    logprobs move for the Q4 formats (it ran) but stay within INT_LOGPROB_TOL of the float kernels' with
+    the same tokens; Q8_0 stays on the float kernels bit for bit; switched off, the float results return
+    exactly."""
+    old = quant.set_int8(False)
     try:
-        for budget in (64, 5):
-            int8 = run(files[qtype], budget=budget)
-            moved = 0.0
-            for a, b in zip(floats, int8, strict=True):
-                first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-                top = next(iter(first_a))
-                assert top in first_b and abs(first_a[top] - first_b[top]) < 0.05
-                moved = max(moved, max(abs(first_a[t] - first_b[t]) for t in first_a if t in first_b))
-            assert moved > 0.0
+        floats = {budget: run_alone(files[qtype], budget) for budget in (64, 5)}
+        quant.set_int8(True)
+        for budget, want in floats.items():
+            got = run_alone(files[qtype], budget)
+            moved = assert_same(got, want, INT_LOGPROB_TOL)
+            if qtype == "Q8_0":
+                assert moved == 0.0
+            else:
+                assert moved > 0.0
+        quant.set_int8(False)
+        assert all(a.outputs[0].logprobs == b.outputs[0].logprobs
+                   for a, b in zip(run_alone(files[qtype]), floats[64], strict=True))
     finally:
         quant.set_int8(old)
-    assert_same(run(files[qtype]), floats)
-    assert all(a.outputs[0].logprobs == b.outputs[0].logprobs for a, b in zip(run(files[qtype]), floats,
-                                                                             strict=True))
 
 
 def test_a_decode_step_does_not_walk_the_models_modules(files):

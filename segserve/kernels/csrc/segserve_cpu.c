@@ -290,7 +290,7 @@ typedef struct {
     int64_t ldy;        /* row stride of y, elements */
     int32_t accumulate; /* nonzero: y = round(y + round(W x)), the eager ``h.add_(linear(x))`` */
     int32_t wqt;        /* format of w: WQT_DENSE ((N, K) dt values) or a GGUF block type (segserve_quant.h) */
-    int32_t xq8;        /* block-format w only: nonzero rounds x to int8 blocks first (sg_quant_matmul_i8) */
+    int32_t xq8;        /* block-format w only: nonzero rounds x to 16-bit fixed point first (sg_quant_matmul_i8) */
 } sg_linear_args;
 
 /* Bytes of the buffer linear_input may write for a (M, K) product with the weight format wqt. */
@@ -335,6 +335,10 @@ static int linear_shape(const sg_linear_args *a) {
     if (a->N < 1 || a->K < 32 || a->K % 32 || sg_quant_block_bytes(a->wqt) == 0) return ERR_SHAPE;
     return a->xq8 && !sg_quant_int8_built() ? ERR_SHAPE : OK;
 }
+
+/* sg_linear_args.xq8 for a projection in format wqt, from a mask with bit wqt set for the formats that
+ * take integer activations (sg_decode_stack_args.xq8). */
+static int32_t xq8_for(int32_t mask, int32_t wqt) { return wqt != WQT_DENSE && ((mask >> wqt) & 1); }
 
 /* The product of a's rows xin (row stride ld, from linear_input) with a plain dt weight: orphaned
  * worksharing over groups of NT weight rows, ending in the team's barrier (see sg_quant_matmul). */
@@ -1002,7 +1006,7 @@ typedef struct {
     const int64_t *lens;         /* (n,) tokens each decode attends to, its own included */
     int64_t seg;                 /* tokens per KV segment, the most (see attention_plan) */
     float scale;                 /* softmax scale */
-    int32_t xq8;                 /* sg_linear_args.xq8 for every block-format projection */
+    int32_t xq8;                 /* bit wqt set: projections in GGUF format wqt get sg_linear_args.xq8 */
     int32_t tiles;               /* TILES_*: projections as tile products of the layers' *_tiles (bf16, 1-64 rows) */
     const void *final_norm;      /* (H,) dt: the final norm's weight, read when lm_w is set */
     const void *lm_w;            /* (vocab, H) dt values or GGUF blocks of lm_wqt, or NULL: no head */
@@ -1180,28 +1184,30 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     /* Every layer's four products, their shapes checked here (not one layer into the step). */
     sg_linear_args lin[4] = {
         {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = nqkv, .K = H, .ldx = H,
-         .prologue = PRO_RMSNORM, .eps = a->eps, .ldy = nqkv, .xq8 = a->xq8},
+         .prologue = PRO_RMSNORM, .eps = a->eps, .ldy = nqkv},
         {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = nq, .ldx = nq,
-         .prologue = PRO_NONE, .ldy = H, .accumulate = 1, .xq8 = a->xq8},
+         .prologue = PRO_NONE, .ldy = H, .accumulate = 1},
         {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = 2 * I, .K = H, .ldx = H,
-         .prologue = PRO_RMSNORM, .eps = a->eps, .ldy = 2 * I, .xq8 = a->xq8},
+         .prologue = PRO_RMSNORM, .eps = a->eps, .ldy = 2 * I},
         {.size = sizeof(sg_linear_args), .dt = dt, .ydt = dt, .M = M, .N = H, .K = I, .ldx = 2 * I,
-         .prologue = PRO_SILU_MUL, .ldy = H, .accumulate = 1, .xq8 = a->xq8}};
-    int any_block = 0;
+         .prologue = PRO_SILU_MUL, .ldy = H, .accumulate = 1}};
+    int any_block = 0, any_xq8 = 0;
     sg_linear_args head = {.size = sizeof(sg_linear_args), .dt = dt, .ydt = DT_F32, .M = M, .N = a->vocab, .K = H,
                            .x = a->hidden, .ldx = H, .prologue = PRO_NONE, .w = a->lm_w, .wqt = a->lm_wqt,
-                           .y = a->logits, .ldy = a->vocab, .xq8 = a->xq8};
+                           .y = a->logits, .ldy = a->vocab, .xq8 = xq8_for(a->xq8, a->lm_wqt)};
     if (a->lm_w) {
         if (a->tiles || !a->final_norm || !a->hidden || !a->logits || linear_shape(&head) != OK) return ERR_SHAPE;
         any_block |= a->lm_wqt != WQT_DENSE;
+        any_xq8 |= head.xq8;
     }
     for (int64_t l = 0; l < a->num_layers; l++) {
         const sg_layer *ly = &a->layers[l];
         const int32_t wqt[4] = {ly->qkv_wqt, ly->o_wqt, ly->gate_up_wqt, ly->down_wqt};
         for (int k = 0; k < 4; k++) {
-            lin[k].wqt = wqt[k];
+            lin[k].wqt = wqt[k], lin[k].xq8 = xq8_for(a->xq8, wqt[k]);
             if (linear_shape(&lin[k]) != OK) return ERR_SHAPE;
             any_block |= wqt[k] != WQT_DENSE;
+            any_xq8 |= lin[k].xq8;
         }
     }
     const int64_t kmax = H > I ? (H > nq ? H : nq) : (I > nq ? I : nq);
@@ -1209,7 +1215,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
     char *qkv = (char *)malloc(es * M * nqkv);
     void *attn = calloc((size_t)M * nq, es); /* padding rows stay zero: attention never writes them */
     void *gate_up = malloc(es * M * 2 * I);
-    void *i8 = a->xq8 && any_block ? aligned_alloc(64, sg_quant_i8_scratch_bytes(M, kmax)) : NULL;
+    void *i8 = any_xq8 ? aligned_alloc(64, sg_quant_i8_scratch_bytes(M, kmax)) : NULL;
     uint16_t *xn = a->tiles ? (uint16_t *)malloc(es * M * H) : NULL; /* layer_tiles' norm rows */
     /* Every layer's attention but for its cache: its q rows are the fused QKV output's Q heads. */
     sg_decode_attention_args att = {
@@ -1222,7 +1228,7 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                                .row_stride = nqkv, .cos = a->cos, .ssin = a->ssin};
     att_plan plan = {0};
     int rc = check_decodes(&att);
-    if (rc == OK && (!qkv || !attn || !gate_up || (a->xq8 && any_block && !i8) || (a->tiles && !xn))) rc = ERR_NOMEM;
+    if (rc == OK && (!qkv || !attn || !gate_up || (any_xq8 && !i8) || (a->tiles && !xn))) rc = ERR_NOMEM;
     if (rc == OK) rc = attention_plan(&att, &plan);
     if (rc == OK) {
         int failed = 0;
@@ -1265,6 +1271,8 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 oa.x = own_merge ? own : attn, oa.w = ly->o, oa.wqt = ly->o_wqt, oa.y = h;
                 ga.x = h, ga.norm_w = ly->ln2, ga.w = ly->gate_up, ga.wqt = ly->gate_up_wqt, ga.y = gate_up;
                 da.x = gate_up, da.w = ly->down, da.wqt = ly->down_wqt, da.y = h;
+                qa.xq8 = xq8_for(a->xq8, qa.wqt), oa.xq8 = xq8_for(a->xq8, oa.wqt);
+                ga.xq8 = xq8_for(a->xq8, ga.wqt), da.xq8 = xq8_for(a->xq8, da.wqt);
                 sg_decode_attention_args la = att;
                 la.cache = ly->kv_cache;
                 const att_fuse fz = {.cos = a->cos, .ssin = a->ssin, .slot_mapping = slot_mapping, .nq = nq,

@@ -46,9 +46,6 @@
 #ifndef Q_PF_GROUPS
 #define Q_PF_GROUPS 2
 #endif
-#ifndef Q_PF_ROW_GROUPS
-#define Q_PF_ROW_GROUPS 4
-#endif
 enum { Q_OK = 0, Q_ERR_SHAPE = -1, Q_ERR_ROW = -3, Q_ERR_LAYOUT = -5 };
 
 int64_t sg_quant_block_bytes(int wqt) {

@@ -30,15 +30,17 @@ int64_t sg_quant_block_bytes(int wqt);
 int sg_quant_matmul(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
                     int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate);
 
-/* The same product with the activations quantized to int8 first (segserve_quant_vnni.c): each row of xf
- * in blocks of 32 values, q = round(x * 127 / amax(block)) with the float32 scale amax / 127 kept, then
- * integer dot products of q with the stored nibbles or bytes (AVX-512 VNNI vpdpbusd), each block's sum
- * scaled by the two blocks' scales in float32 (Q4_1's m term times the rounded block's sum): the exact
- * product of the dequantized weights with the rounded x, up to float32 summation.
- * The approach is llama.cpp's (ggml-cpu's Q8_0 / Q8_1 activation blocks and its vec_dot kernels).
- * Arguments, shapes, returns and threads as sg_quant_matmul, plus scratch: a buffer shared by the team,
- * 64-byte aligned, of sg_quant_i8_scratch_bytes(M, K) bytes, for the int8 rows; -1 also when the
- * library was built for a CPU without AVX-512 VNNI (see sg_quant_int8_built). */
+/* The same product with integer activations (segserve_quant_vnni.c): each row of xf in blocks of 32
+ * values rounded to 16-bit fixed point, (amax / 127 / 256) (256 q1 + q2) with q1, q2 int8 and the float32
+ * step kept (each value off by at most amax / 32512), then integer dot products of q1 and q2 with the
+ * stored nibbles or bytes (AVX-512 VNNI vpdpbusd), each block's sum scaled by the two blocks' scales in
+ * float32 (Q4_1's m term times the rounded block's sum): the exact product of the dequantized weights
+ * with the rounded x, up to float32 summation. Integer dot products with the weight blocks are
+ * llama.cpp's approach (ggml-cpu's vec_dot kernels, there with 8-bit activations). Each row of x streams
+ * the weights once: meant for one-row products. Arguments, shapes, returns and threads as
+ * sg_quant_matmul, plus scratch: a buffer shared by the team, 64-byte aligned, of
+ * sg_quant_i8_scratch_bytes(M, K) bytes, for the fixed-point rows; -1 also when the library was built
+ * for a CPU without AVX-512 VNNI (see sg_quant_int8_built). */
 int sg_quant_matmul_i8(int dt, int ydt, int wqt, int64_t M, int64_t N, int64_t K, const float *xf,
                        int64_t ldxf, const void *w, const void *bias, void *y, int64_t ldy, int accumulate,
                        void *scratch);

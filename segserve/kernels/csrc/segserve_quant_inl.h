@@ -12,6 +12,11 @@
 
 enum { Q_DT_F32 = 0, Q_DT_BF16 = 1 };
 
+/* How many tiles ahead the one-row kernels (qtile_row, qtile_i8_row) prefetch their weights. */
+#ifndef Q_PF_ROW_GROUPS
+#define Q_PF_ROW_GROUPS 4
+#endif
+
 static inline float half_at(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
