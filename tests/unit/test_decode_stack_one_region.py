@@ -214,10 +214,14 @@ def test_the_stacks_own_head_gives_the_lm_heads_logits_bitwise(files, source, dt
     try:
         step = CpuStep(model)
         saved = [c.clone() for c in caches]
+        again = [c.clone() for c in caches]
         hidden = step.forward(ids, pos, caches, md)
         assert step._step_logits is not None and step._step_logits[0] is hidden  # the head ran in the call
         fused = step.logits_of(hidden, [2, 0])
         assert step._step_logits is None  # read once
+        # Every row in order (a batch of decodes): the step's own buffer, the same bits.
+        all_rows = step.logits_of(step.forward(ids, pos, again, md), [0, 1, 2])
+        assert torch.equal(all_rows[[2, 0]], fused)
         step._stack_head = lambda rows, dtype: None  # the same step with the head in its own calls
         plain_hidden = step.forward(ids, pos, saved, md)
         want = step.logits_of(plain_hidden, [2, 0])
