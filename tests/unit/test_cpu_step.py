@@ -19,7 +19,7 @@ from model_fixtures import new_caches, save_tiny_hf_dir, tiny_hf_model, train_ti
 
 from segserve import LLM, SamplingParams  # noqa: E402
 from segserve.attention.metadata import build_attention_metadata  # noqa: E402
-from segserve.kernels import amx, build  # noqa: E402
+from segserve.kernels import amx, bf16gemm, build  # noqa: E402
 from segserve.kernels import cpu as cpu_kernels  # noqa: E402
 from segserve.models.loader import load_model  # noqa: E402
 from segserve.worker.cpu_step import AMX_MIN_ROWS, CpuStep  # noqa: E402
@@ -177,8 +177,15 @@ def test_prepack_keeps_one_packed_copy_of_the_bf16_projections(tiny_dir) -> None
     assert not any(m.is_packed for m in projections)  # AMX serves every step oneDNN would have
     old = amx.set_enabled(False)
     try:
-        step.prepack()  # AMX off: back to oneDNN copies
-        assert step._tile_weights is None and all(m.is_packed for m in projections)
+        step.prepack()  # AMX off: bf16gemm's register tiles read the same layout; the head goes to oneDNN
+        assert len(step._tile_weights) == 2 and not any(m.is_packed for m in projections)
+        assert step._tile_lm_head is None
+        old_bf16 = bf16gemm.set_enabled(False)
+        try:
+            step.prepack()  # no tile GEMM at all: back to oneDNN copies
+            assert step._tile_weights is None and all(m.is_packed for m in projections)
+        finally:
+            bf16gemm.set_enabled(old_bf16)
     finally:
         amx.set_enabled(old)
     step.unpack()
