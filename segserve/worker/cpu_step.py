@@ -52,11 +52,13 @@ _MAX_ROPE_HEAD_DIM = 1024
 # shapes (benchmarks/bench_bf16gemm.py, Zen 4, 2 threads, load 2.9; table in docs/perf.md).
 AMX_MIN_ROWS = cpu_kernels.MAX_SMALL_ROWS[torch.bfloat16] + 1
 # Fewest rows a dense bfloat16 decode-only step needs for the decode stack to run its projections (and
-# the LM head) as AMX tile products rather than vdpbf16ps register tiles: 2. Interleaved per step
-# (benchmarks/profile_bf16_decode.py's harness, the export, 300-token contexts, 1 thread, load 3.9-4.4):
-# b=2 51.7 -> 33.7 ms median, b=4 68.8 -> 39.4, b=8 92.2 -> 45.7; b=1 keeps the register tiles (one row
-# of a 16-row tile).
-AMX_STACK_MIN_ROWS = 2
+# the LM head) as AMX tile products rather than vdpbf16ps register tiles: 1, every such step. Interleaved
+# per step (benchmarks/profile_bf16_decode.py --mode ab, the export, 256-token contexts, 2 threads, quiet
+# AMX Xeon, load 0.4-1.4, 2026-12-04): b=1 32.4 -> 12.7 ms median, b=2 30.0 -> 13.1 (one row of a 16-row
+# tile still streams each weight once, through the tile unit, where the register tiles' 4 x 4 dot
+# products on this CPU's vdpbf16ps ran at ~10 GB/s). An earlier loaded-host A/B (1 thread, load 3.9-4.4)
+# had kept b=1 on the register tiles: b=2 51.7 -> 33.7 ms, b=4 68.8 -> 39.4, b=8 92.2 -> 45.7.
+AMX_STACK_MIN_ROWS = 1
 # The same without AMX: fewest rows for the decode stack's projections to run as vdpbf16ps products of
 # the packed weights (bf16gemm's micro-kernel, 6 rows x 64 columns a tile, the weights read once per
 # step) rather than its per-row register tiles (4 x 4 dot products reduced across lanes). Interleaved per

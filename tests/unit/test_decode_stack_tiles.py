@@ -42,7 +42,7 @@ PROMPTS = [[(31 * i + 7 * t) % 290 + 5 for t in range(5 + i % 16)] for i in rang
 
 @pytest.fixture(params=["amx", "vdpbf16ps"])
 def backend(request, monkeypatch):
-    """The tile products under test: AMX where it runs; vdpbf16ps with AMX switched off (from 2 rows,
+    """The tile products under test: AMX where it runs; vdpbf16ps with AMX switched off (from 1 row,
     so every step below takes it)."""
     if request.param == "amx":
         if not amx.available():
@@ -51,7 +51,7 @@ def backend(request, monkeypatch):
         return
     if not bf16gemm.available():
         pytest.skip("no AVX-512 BF16 GEMM here")
-    monkeypatch.setattr(cpu_step, "TILE_STACK_MIN_ROWS", 2)
+    monkeypatch.setattr(cpu_step, "TILE_STACK_MIN_ROWS", 1)
     with amx.disabled():
         yield "vdpbf16ps"
 
@@ -120,7 +120,9 @@ def _step(model, caches, n: int, pad: int, monkeypatch, kernels: bool = True):
     return h, caches, routes
 
 
-@pytest.mark.parametrize(("n", "pad"), [(2, 0), (5, 3), (8, 0), (9, 0), (16, 0), (24, 8), (33, 3), (64, 0)])
+@pytest.mark.parametrize(
+    ("n", "pad"), [(1, 0), (2, 0), (5, 3), (8, 0), (9, 0), (16, 0), (24, 8), (33, 3), (64, 0)]
+)
 def test_tile_stack_equals_forward_chunk_bitwise(backend, model, prefilled, monkeypatch, n, pad):
     got, got_caches, routes = _step(model, prefilled, n, pad, monkeypatch)
     assert routes == [f"stack-{backend}"]
@@ -140,9 +142,11 @@ def test_tile_stack_equals_forward_chunk_bitwise(backend, model, prefilled, monk
     assert got[:n].float().abs().sum() > 0
 
 
-def test_one_row_keeps_the_register_tiles(backend, model, prefilled, monkeypatch):
+@needs_amx
+def test_one_row_takes_the_amx_tiles(model, prefilled, monkeypatch):
+    assert cpu_step.AMX_STACK_MIN_ROWS == 1  # batch-1 decode too (the constant's comment: 2.5x here)
     _, _, routes = _step(model, prefilled, 1, 0, monkeypatch)
-    assert routes == ["stack"]
+    assert routes == ["stack-amx"]
 
 
 def test_without_amx_the_tiles_start_at_tile_stack_min_rows(model, prefilled, monkeypatch):
@@ -150,8 +154,8 @@ def test_without_amx_the_tiles_start_at_tile_stack_min_rows(model, prefilled, mo
         pytest.skip("no AVX-512 BF16 GEMM here")
     assert cpu_step.TILE_STACK_MIN_ROWS == 16
     with amx.disabled():
-        routes = [_step(model, prefilled, n, 0, monkeypatch)[2][0] for n in (15, 16, 64)]
-    assert routes == ["stack", "stack-vdpbf16ps", "stack-vdpbf16ps"]
+        routes = [_step(model, prefilled, n, 0, monkeypatch)[2][0] for n in (1, 15, 16, 64)]
+    assert routes == ["stack", "stack", "stack-vdpbf16ps", "stack-vdpbf16ps"]
 
 
 @pytest.mark.parametrize(("n", "pad"), [(3, 1), (12, 4), (64, 0)])
@@ -233,7 +237,7 @@ def test_a_vocabulary_the_tiles_do_not_take_keeps_the_onednn_head(model):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [2, 9, 24, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 9, 24, 64, 65])
 def test_the_lm_head_of_many_rows_runs_on_amx_tiles(head_model, rows, monkeypatch):
     model = head_model
     step = CpuStep(model)
