@@ -2,12 +2,14 @@
 
 ``LLM``, ``LLMEngine`` and the outputs load torch, so they are imported lazily: ``segserve.core``
 (scheduler, KV cache manager) stays importable without torch. Importing it first sets OpenMP's spin
-count for the process (``segserve.openmp``), before torch starts its thread pool.
+count for the process (``segserve.openmp``), before torch starts its thread pool, and glibc malloc's
+thresholds so a step's large buffers are reused rather than faulted in again (``segserve.malloc``).
 """
 
-from segserve import openmp
+from segserve import malloc, openmp
 
 openmp.configure()
+malloc.configure()
 
 from segserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
