@@ -40,6 +40,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -464,8 +465,35 @@ def libiomp(venv: Path) -> Path | None:
     return found[0] if found else None
 
 
+# Where Debian's libtcmalloc-minimal4 (and other distributions' builds) put it.
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+def tcmalloc() -> Path | None:
+    """TCMalloc's shared library, which vLLM's CPU guide preloads (its large per-step buffers are then
+    reused rather than faulted in again), or None when it is not installed."""
+    for d in TCMALLOC_DIRS:
+        path = Path(d) / "libtcmalloc_minimal.so.4"
+        if path.exists():
+            return path
+    return None
+
+
+def ensure_tcmalloc() -> Path | None:
+    """:func:`tcmalloc`, installing Debian's ``libtcmalloc-minimal4`` first when it is missing and this
+    process may (root, apt-get present); a failed install leaves vLLM on glibc malloc, said in one line."""
+    if tcmalloc() is None and shutil.which("apt-get") and os.geteuid() == 0:
+        r = subprocess.run(["apt-get", "install", "-y", "-q", "libtcmalloc-minimal4"], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            print(f"vLLM: libtcmalloc-minimal4 not installed ({(r.stderr or r.stdout).strip()[-200:]}); "
+                  "vLLM runs on glibc malloc", flush=True)
+    return tcmalloc()
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    """Environment for every vLLM process: both cores, none reserved, Intel OpenMP preloaded."""
+    """Environment for every vLLM process: both cores, none reserved, TCMalloc (where installed) and
+    Intel OpenMP preloaded, as vLLM's CPU guide and its Docker image run it."""
     cores = os.cpu_count() or 1
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind or f"0-{cores - 1}",
@@ -474,9 +502,9 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
     }
-    iomp = libiomp(args.vllm_venv)
-    if iomp:
-        env["LD_PRELOAD"] = str(iomp)
+    preload = [str(p) for p in (tcmalloc(), libiomp(args.vllm_venv)) if p]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     return env
 
 
@@ -503,6 +531,7 @@ def venv_healthy(args: argparse.Namespace) -> tuple[bool, str]:
 
 def ensure_vllm_venv(args: argparse.Namespace) -> None:
     """Reuse ``--vllm-venv`` when healthy, else (re)build it; raises ``RuntimeError`` if it stays broken."""
+    ensure_tcmalloc()
     ok, why = venv_healthy(args)
     if ok:
         print(f"vLLM venv {args.vllm_venv}: healthy ({why})", flush=True)

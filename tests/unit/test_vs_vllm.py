@@ -202,6 +202,7 @@ def test_resume_only_with_the_same_sizes(vs):
 
 
 def test_thread_settings_reach_segserve_only(vs, monkeypatch, tmp_path):
+    monkeypatch.setattr(vs, "tcmalloc", lambda: None)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     args = vs.parse_args(["--vllm-venv", str(tmp_path), "--vllm-kvcache-space", "6"])
@@ -211,3 +212,13 @@ def test_thread_settings_reach_segserve_only(vs, monkeypatch, tmp_path):
     assert "OMP_WAIT_POLICY" not in vllm and "PYTHONPATH" not in vllm
     assert vllm["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and vllm["VLLM_CPU_KVCACHE_SPACE"] == "6"
     assert "LD_PRELOAD" not in vllm  # no libiomp5.so in this fake venv
+
+
+def test_vllm_preloads_tcmalloc_then_intel_openmp(vs, monkeypatch, tmp_path):
+    iomp = tmp_path / "lib" / "libiomp5.so"
+    iomp.parent.mkdir()
+    iomp.write_bytes(b"")
+    monkeypatch.setattr(vs, "tcmalloc", lambda: vs.Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"))
+    env = vs.vllm_env(vs.parse_args(["--vllm-venv", str(tmp_path)]))
+    assert env["LD_PRELOAD"] == f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{iomp}"
+    assert "LD_PRELOAD" not in vs.engine_env("segserve", vs.parse_args(["--vllm-venv", str(tmp_path)]))
