@@ -5,11 +5,13 @@ A prefill step allocates its activations per layer (a 4,096-token bfloat16 step:
 gate|up 25 MB, ...) and frees them a few milliseconds later. glibc serves such sizes with ``mmap`` and
 returns them with ``munmap`` on free (its dynamic mmap threshold starts at 128 KiB and only rises to the
 size of a freed block), and trims the heap's free top back to the kernel above 128 KiB; either way the
-next step touches fresh pages, each a minor fault that the kernel zero-fills. Measured on the AMX Xeon
-(2 threads, bfloat16 export of SmolLM2-135M, one 4,096-token prompt at budget 4,096, quiet host,
-2026-12-04): 34,000-73,000 minor faults per prefill and 1,330-1,400 ms; with the thresholds below 0-7,000
-faults and 1,165-1,250 ms (~14 % of the step). TCMalloc, which vLLM's CPU guide preloads for the same
-reason, gave 1,150-1,215 ms here.
+next step touches fresh pages, each a minor fault that the kernel zero-fills (in a virtual machine, through
+the hypervisor's page tables too). Measured on the AMX Xeon (2 threads, bfloat16 export of SmolLM2-135M,
+4,096-token prompts at budget 4,096 after a 512-token warm-up, fresh processes alternating, four rounds,
+2026-12-04, load ~1.5): the third prefill of a process 1,313-1,374 ms with 23,000-32,000 minor faults by
+default, 1,239-1,279 ms with 0 faults with the thresholds below (~5 %); the first prefill faults its
+buffers in either way (1,406-1,487 ms). TCMalloc, which vLLM's CPU guide preloads for the same reason,
+gave the same steady state here.
 
 :func:`configure` fixes ``M_MMAP_THRESHOLD`` at :data:`MMAP_THRESHOLD` (glibc's largest; it also turns
 off the dynamic threshold) and ``M_TRIM_THRESHOLD`` at :data:`TRIM_THRESHOLD` through ``mallopt``. The
