@@ -585,15 +585,19 @@ static inline __m512 sum16x16(const __m512 a[16]) {
  * with the K rows' widening to float32 was most of a bfloat16 decode's attention time. Equal to the
  * float32 loop up to float32 summation order. */
 static inline __attribute__((always_inline)) void scores_bf16(
-    int64_t G, int64_t D, const float *q, const char *kc, size_t token_bytes, size_t head_off, int64_t block_size,
-    const int32_t *blocks, int64_t t0, int64_t n, float scale, float *scores) {
+    int64_t G, int64_t D, const float *q, const char *kc, const char *vc, size_t token_bytes, size_t head_off,
+    int64_t block_size, const int32_t *blocks, int64_t t0, int64_t n, float scale, float *scores) {
     const int64_t nb = D / 32;
     __m512bh qb[MAX_G * (MAX_D / 32)];
     for (int64_t g = 0; g < G; g++)
         for (int64_t c = 0; c < nb; c++)
             qb[g * nb + c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + 32 * c + 16), _mm512_loadu_ps(q + g * D + 32 * c));
     /* Key rows in walk order, block by block (no division per key); kp holds 32: the 16 scored now and
-     * the next 16, prefetched while these are scored (the blocks are scattered: no stream to detect). */
+     * the next 16, prefetched while these are scored (the blocks are scattered: no stream to detect).
+     * The same tokens' V rows are prefetched with them, so the P V pass that follows finds the segment's
+     * values in cache (at most seg x D x 2 bytes, 64 KiB for 512 tokens of D = 64): its own prefetch, a
+     * few tokens ahead, left each V row's load waiting on memory (perf on the AMX Xeon, 64 decodes at
+     * ~700 tokens: ~40 % of the attention's samples on the two loads after it). */
     const char *kp[32];
     int64_t blk = t0 / block_size, off = t0 - blk * block_size, ahead = 0;
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
@@ -601,8 +605,10 @@ static inline __attribute__((always_inline)) void scores_bf16(
         for (; ahead < i0 + 32 && ahead < n; ahead++) {
             const char *p = kc + ((size_t)blocks[blk] * block_size + off) * token_bytes + head_off;
             kp[ahead % 32] = p;
-            if (ahead >= 16)
-                for (int64_t c = 0; c < 2 * nb; c++) _mm_prefetch(p + 64 * c, _MM_HINT_T0);
+            for (int64_t c = 0; c < nb; c++) { /* the row's D x 2 bytes: nb lines of 64 */
+                if (ahead >= 16) _mm_prefetch(p + 64 * c, _MM_HINT_T0);
+                _mm_prefetch(vc + (p - kc) + 64 * c, _MM_HINT_T0);
+            }
             if (++off == block_size) blk++, off = 0;
         }
         for (int64_t g = 0; g < G; g++) {
@@ -631,7 +637,7 @@ static inline __attribute__((always_inline)) void segment_partial(
     size_t token_bytes = (size_t)Hkv * D * es;
     /* Pass 1: scores[g][i] = scale * q_g . k_i */
     if (dt == DT_BF16 && D % 32 == 0) {
-        scores_bf16(G, D, q, kc, token_bytes, (size_t)h * D * es, block_size, blocks, t0, n, scale, scores);
+        scores_bf16(G, D, q, kc, vc, token_bytes, (size_t)h * D * es, block_size, blocks, t0, n, scale, scores);
     } else {
         for (int64_t i = 0; i < n; i++) {
             int64_t t = t0 + i;
