@@ -3,8 +3,8 @@
 The kernels are plain C (no PyTorch headers), so a build takes about a second with the system C
 compiler. The library is compiled for this machine (``-march=native``) and cached under
 ``$SEGSERVE_KERNEL_DIR`` (default ``~/.cache/segserve/kernels``), keyed by a hash of the source, the
-flags, the compiler's version and the CPU's feature flags, so a changed source or another CPU
-rebuilds. Nothing is downloaded.
+flags (with :func:`defines`, which tune it for the CPU's vendor), the compiler's version and the CPU's
+feature flags, so a changed source or another CPU rebuilds. Nothing is downloaded.
 
 When the CPU lacks AVX-512F or AVX-512 BF16, or no compiler works, :func:`load` returns None with the
 reason in :func:`unavailable_reason` and segserve runs its eager PyTorch path.
@@ -58,6 +58,26 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_vendor() -> str:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``), or "" where it says none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def defines(vendor: str | None = None) -> tuple[str, ...]:
+    """The ``-D`` flags that tune the build for this CPU (``vendor``: :func:`cpu_vendor` when None):
+    ``SG_STREAM_NTA`` picks the weight streams' prefetch hint, non-temporal on AMD only (why:
+    ``csrc/segserve_simd.h``)."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    return (f"-DSG_STREAM_NTA={int(vendor == 'AuthenticAMD')}",)
 
 
 def _compiler() -> str:
@@ -116,7 +136,7 @@ def _compile_and_link(cc: str, objs: Path, out: str) -> None:
     Raises:
         RuntimeError: a compiler or the linker failed (its exit status and the end of its stderr).
     """
-    compile_flags = [f for f in FLAGS if f != "-shared"]
+    compile_flags = [f for f in FLAGS if f != "-shared"] + list(defines())
     jobs = []
     for src in SOURCES:
         obj = objs / (src.stem + ".o")
@@ -186,7 +206,7 @@ def load() -> ctypes.CDLL | None:
         _reason = f"no C compiler ({cc}): {e}"
         return None
     key = hashlib.sha256()
-    for part in (*_source_parts(), " ".join(FLAGS), version, " ".join(sorted(flags))):
+    for part in (*_source_parts(), " ".join(FLAGS + defines()), version, " ".join(sorted(flags))):
         key.update(part if isinstance(part, bytes) else part.encode())
     target = cache_dir() / f"segserve_cpu_{key.hexdigest()[:16]}.so"
     try:

@@ -54,15 +54,15 @@ enum { OK = 0, ERR_SHAPE = -1, ERR_NOMEM = -2, ERR_ROW = -3, ERR_BLOCK = -4, ERR
 #define MT 4 /* rows of x per register tile */
 #define NT 4 /* rows of W per register tile */
 /* Dense tiles: the first pass over x's rows (m0 == 0) prefetches the tile D_PF_TILES tiles on (a
- * thread's tiles are consecutive rows of W), non-temporally, like the block kernels' one-row tiles: a
- * decode step streams its ~270 MB of bfloat16 weights through the 32 MB L3 once. Fresh-process A/B on
- * Zen 4 (bf16, 256-token context): 8 decodes ~300 -> ~500 tok/s, batch 1 ~82 -> ~87; float32 unchanged
- * within the noise; 8 tiles ahead and T0 hints were no better. */
+ * thread's tiles are consecutive rows of W) with the weight streams' hint (SG_STREAM_HINT, segserve_simd.h:
+ * non-temporal on AMD, into L1 on Intel). Fresh-process A/B on Zen 4 (bf16, 256-token context): 8
+ * decodes ~300 -> ~500 tok/s, batch 1 ~82 -> ~87; float32 unchanged within the noise; 8 tiles ahead and
+ * T0 hints were no better there. */
 #ifndef D_PF_TILES
 #define D_PF_TILES 4
 #endif
 #ifndef D_PF_HINT
-#define D_PF_HINT _MM_HINT_NTA
+#define D_PF_HINT SG_STREAM_HINT
 #endif
 
 /* Bumped whenever an entry point or argument struct changes (build.ABI_VERSION must match). */

@@ -134,12 +134,13 @@ static inline __attribute__((always_inline)) void qtile_row(int wqt, int nt, con
         __m512 xl = _mm512_loadu_ps(xf + b * 32), xh = _mm512_loadu_ps(xf + b * 32 + 16);
         /* The tile's bytes Q_PF_ROW_GROUPS tiles on, read in the order they lie (one line per 64
          * bytes, where one prefetch per block and row asks for most lines two or three times): the
-         * LM head's 30 MB stream went from ~11 to ~27 GB/s with it on Zen 4 (2 threads). Non-temporal:
-         * each weight is read once a step, and a step streams ~95 MB through the 32 MB L3, so kept
-         * lines only evict what the Python between steps runs on (same kernel speed; batch-1 decode
-         * end to end +8-10 %, rate.py A/B of 10 rounds on Zen 4). */
+         * LM head's 30 MB stream went from ~11 to ~27 GB/s with it on Zen 4 (2 threads). The hint,
+         * Q_PF_HINT, is the weight streams' (segserve_simd.h): non-temporal on AMD, where each weight
+         * is read once a step and a step streams ~95 MB through the 32 MB L3, so kept lines only
+         * evicted what the Python between steps runs on (batch-1 decode end to end +8-10 %, rate.py A/B
+         * of 10 rounds on Zen 4); into L1 on Intel, where non-temporal ones stalled the stream. */
         const char *ahead = (const char *)wr[0] + Q_PF_ROW_GROUPS * nt * nb * bb + b * nt * bb;
-        for (int64_t o = 0; o < nt * bb; o += 64) _mm_prefetch(ahead + o, _MM_HINT_NTA);
+        for (int64_t o = 0; o < nt * bb; o += 64) _mm_prefetch(ahead + o, Q_PF_HINT);
         for (int j = 0; j < nt; j++) {
             const uint8_t *blk = wr[j] + b * bb;
             __m512 lo, hi;

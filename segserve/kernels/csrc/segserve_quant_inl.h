@@ -9,12 +9,17 @@
 #include <string.h>
 
 #include "segserve_quant.h"
+#include "segserve_simd.h"
 
 enum { Q_DT_F32 = 0, Q_DT_BF16 = 1 };
 
 /* How many tiles ahead the one-row kernels (qtile_row, qtile_i8_row) prefetch their weights. */
 #ifndef Q_PF_ROW_GROUPS
 #define Q_PF_ROW_GROUPS 4
+#endif
+/* Their hint: the weight streams' (segserve_simd.h). */
+#ifndef Q_PF_HINT
+#define Q_PF_HINT SG_STREAM_HINT
 #endif
 
 static inline float half_at(const uint8_t *p) {

@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) __m512i load_pair(int wqt, const ui
 /* out[0][j] = dot(x row m, dequant(weight row wr[j])) for j < nt, x in its fixed-point form; inlined
  * with constant wqt and nt so the accumulators live in registers. As segserve_quant.c's qtile_row: each
  * pair's scales converted where they are read (no gathers, slow on Zen 4) and the tile's bytes
- * Q_PF_ROW_GROUPS tiles ahead prefetched line by line in the order they lie, non-temporal (that
+ * Q_PF_ROW_GROUPS tiles ahead prefetched line by line in the order they lie, with its hint (that
  * function says why); the activations of a pair loaded once for the tile's rows. */
 static inline __attribute__((always_inline)) void qtile_i8_row(int wqt, int nt, const uint8_t *const wr[8],
                                                                int64_t nb, int64_t bb, const struct xrows *xr,
@@ -159,7 +159,7 @@ static inline __attribute__((always_inline)) void qtile_i8_row(int wqt, int nt, 
         const int64_t b = 2 * p;
         const int two = b + 1 < nb;
         const char *ahead = (const char *)wr[0] + Q_PF_ROW_GROUPS * nt * nb * bb + b * nt * bb;
-        for (int64_t o = 0; o < 2 * nt * bb; o += 64) _mm_prefetch(ahead + o, _MM_HINT_NTA);
+        for (int64_t o = 0; o < 2 * nt * bb; o += 64) _mm_prefetch(ahead + o, Q_PF_HINT);
         const __m512i x1 = _mm512_loadu_si512(q + 128 * p), x2 = _mm512_loadu_si512(q + 128 * p + 64);
         const __m512 xd = _mm512_loadu_ps(dx + 16 * p);
         const __m512i start = wqt == WQT_Q4_1 ? _mm512_setzero_si512() : _mm512_loadu_si512(c0 + 16 * p);

@@ -9,6 +9,20 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* The software prefetch hint of the weight streams (the dense register tiles' and the GGUF block kernels'
+ * one-row tiles, which prefetch a few tiles ahead): non-temporal where build.py says the CPU is AMD's
+ * (SG_STREAM_NTA=1), else into L1. Zen 4: a decode step streams ~95-270 MB of weights once through the
+ * 32 MB L3, and NTA kept them from evicting what the Python between steps runs on (batch-1 decode end to
+ * end +8-10 %). The AMX Xeon (2026-12-04, 2 threads, fresh processes alternating twice): with NTA the
+ * streams waited on each fill (perf: half the block kernel's samples on the instruction after its
+ * prefetchnta), T0 took Q4_1 batch-1 decode from 75-81 to 121-128 tok/s and a float32 dense one from
+ * 58-60 to 23.5-24 ms a token (8 decodes 73-76 -> 36 ms). */
+#if defined(SG_STREAM_NTA) && SG_STREAM_NTA
+#define SG_STREAM_HINT _MM_HINT_NTA
+#else
+#define SG_STREAM_HINT _MM_HINT_T0
+#endif
+
 /* 16 bfloat16 values widened to float32 (exact: a bfloat16 is the top half of a float32). */
 static inline __m512 sg_bf16x16_to_f32(const uint16_t *p) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
