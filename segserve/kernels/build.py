@@ -49,27 +49,25 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "segserve" / "kernels"
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The first ``field : value`` line's value in ``/proc/cpuinfo`` ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_vendor() -> str:
-    """``/proc/cpuinfo``'s ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``), or "" where it says none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``), or "" where it says none."""
+    return _cpuinfo("vendor_id")
 
 
 def defines(vendor: str | None = None) -> tuple[str, ...]:
