@@ -99,11 +99,9 @@ def sized_step(budget: int, max_num_seqs: int, max_model_len: int) -> StepCompos
 
 
 def decode_step(max_num_seqs: int, max_model_len: int) -> StepComposition:
-    """The sized-for step's decodes alone: ``AUTO_DECODES`` (or fewer, see :func:`sized_step`) at
-    ``AUTO_CONTEXT`` tokens of context."""
-    decodes = min(AUTO_DECODES, max_num_seqs)
-    ctx = max(0, min(AUTO_CONTEXT, max_model_len - 2))
-    return StepComposition((RequestSlice(ctx, 1, True, True),) * decodes, default_token_buckets(decodes)[-1])
+    """The sized-for step's decodes alone: :func:`sized_step` with a budget of just its decodes
+    (``AUTO_DECODES``, or ``max_num_seqs`` when fewer, at ``AUTO_CONTEXT`` tokens of context)."""
+    return sized_step(min(AUTO_DECODES, max_num_seqs), max_num_seqs, max_model_len)
 
 
 def auto_target_s(model: StepTimeModel, max_num_seqs: int, max_model_len: int) -> float:
@@ -135,8 +133,7 @@ def auto_budget(
     line = (
         f"max_num_batched_tokens auto = {best}: predicted step {1000 * best_t:.0f} ms {verdict} "
         f"--target-itl-ms {1000 * target_s:.0f}{target_from} ({decodes} decodes at {AUTO_CONTEXT} tokens "
-        f"of context "
-        f"+ a {best - decodes}-token chunk after {AUTO_CONTEXT} cached)"
+        f"of context + a {best - decodes}-token chunk after {AUTO_CONTEXT} cached)"
     )
     k = auto_attention_cost(model)
     if k:
