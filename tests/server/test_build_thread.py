@@ -15,7 +15,7 @@ from segserve.entrypoints.serve import off_the_main_thread
 
 def test_it_returns_the_result_from_another_thread() -> None:
     got = off_the_main_thread(lambda a, b: (a + b, threading.current_thread().name), 2, 3)
-    assert got == (5, "segserve-build")
+    assert got == (5, "segserve-build_0")
 
 
 def test_it_reraises_the_error_in_the_caller() -> None:
