@@ -241,8 +241,8 @@ CA_VEC void sg_chunk_attention_exp2(const float *x, float *y, int64_t n) {
 
 typedef struct ca_seg {
     uint16_t *kp, *vp; /* packed K, V of the key block */
-    float *s;          /* [16 x CA_LDS] scores (of one head; the workspace holds G) */
-    uint16_t *p;       /* [16 x CA_LDP] probabilities (likewise) */
+    float *s;          /* [16 x CA_LDS] scores of the M tile at hand */
+    uint16_t *p;       /* [16 x CA_LDP] its probabilities */
 } ca_seg;
 
 /* S = Q K^T for keys 0 .. nk - 1 of the block (nk a multiple of 32) into sg->s. Q is the M tile
@@ -648,9 +648,8 @@ typedef struct ca_ws {
 } ca_ws;
 
 /* Chunk i, KV head h, query tokens t0 .. t1 - 1 of the chunk: segment by segment, block by block of
- * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V
- * (pipelined across the M tiles), the products on AMX tiles (`amx`, tiles configured) or in AVX-512
- * BF16 registers. */
+ * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V, the
+ * products on AMX tiles (`amx`, tiles configured) or in AVX-512 BF16 registers. */
 CA_VEC static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t t0, int64_t t1,
                            int64_t seg, int amx, ca_ws *w) {
     const int64_t D = a->D, G = a->Hq / a->Hkv, Hkv = a->Hkv, bs = a->block_size;
@@ -679,59 +678,31 @@ CA_VEC static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t 
             ca_pack_v(w->sg.vp, b0, np, b1, vc, bt, bs, Hkv, h, D);
             ca_prefetch(b1, b1 + CA_KB < end ? b1 + CA_KB : end, kc, vc, bt, bs, Hkv, h, D);
             /* The M tiles that see this block: query tiles qlo .. nqt - 1 (a tile sees nothing of it when
-             * its last row's position is before b0, causal), each for the G heads: tile i is query tile
-             * qlo + ti / G of head ti % G. They go through a two-stage pipeline: tile ti's softmax
-             * (vector work) runs after tile ti + 1's scores and tile ti - 1's P V were issued (tile work
-             * the AMX unit does meanwhile, independent of it: tile products run alongside the vector
-             * code that follows them, up to the reorder window), so the two units overlap instead of
-             * taking turns; the scores and probabilities alternate between two buffers. Each tile's
-             * arithmetic is as before: the same bits. benchmarks/bench_chunk_attention.py --prior 0
-             * --chunk 4096 (30 layers, 2 threads, AMX Xeon, builds alternating 3 times): 570 ms with
-             * scores, softmax and P V in turn per query tile; 491-507 ms so. Spreading the softmax's
-             * rows between the parts of the tile products (finer overlap) measured slower, 540-584 ms. */
+             * its last row's position is before b0, causal), each for the G heads: tile ti is query tile
+             * qlo + ti / G of head ti % G, its scores, softmax and P V in turn through one pair of S and
+             * P buffers. Until 2026-12-04 every head's scores came first, then every softmax, then every
+             * P V (G buffers each, so a buffer was read long after it was written): with G = 3 those
+             * buffers (42 KiB) and the packed K and V (32 KiB) overflowed the 48 KiB L1.
+             * benchmarks/bench_chunk_attention.py --prior 0 --chunk 4096 (30 layers, 2 threads, AMX
+             * Xeon): 570 ms so, 452-464 ms now. Overlapping the tile products with another tile's
+             * softmax (a two-stage pipeline over the tiles, two buffers) measured 463-498 ms: a
+             * harness of the bare functions shows no overlap (a tile store seems to hold the younger
+             * vector loads until its products are done), only the smaller footprint. */
             int64_t qlo = 0;
             while (qlo < nqt && prior + t0 + (qlo * 16 + 15 < nq ? qlo * 16 + 15 : nq - 1) < b0) qlo++;
             const int64_t ntl = (nqt - qlo) * G;
-            float alpha[2][16];
-            __mmask16 moves[2];
-            for (int64_t ti = -1; ti < ntl; ti++) {
-                if (ti + 1 < ntl) { /* scores of tile ti + 1 */
-                    const int64_t qt = qlo + (ti + 1) / G, g = (ti + 1) % G;
-                    ca_seg sg = w->sg;
-                    sg.s = w->sg.s + ((ti + 1) & 1) * 16 * CA_LDS;
-                    const uint16_t *qm = w->q + (g * nqt + qt) * 16 * D;
-                    const int64_t nk = ca_block_keys(prior + t0, nq, qt, b0, b1, NULL);
-                    if (amx) ca_scores(qm, D, nk, &sg);
-                    else ca_dp_scores(qm, D, nk, &sg);
-                }
-                if (ti >= 1) { /* P V of tile ti - 1 */
-                    const int64_t qt = qlo + (ti - 1) / G, g = (ti - 1) % G;
-                    ca_seg sg = w->sg;
-                    sg.p = w->sg.p + ((ti - 1) & 1) * 16 * CA_LDP;
-                    float *om = w->o + (g * nqt + qt) * 16 * D;
-                    const int64_t nk = ca_block_keys(prior + t0, nq, qt, b0, b1, NULL);
-                    if (amx) ca_pv(om, alpha[(ti - 1) & 1], moves[(ti - 1) & 1], D, nk, &sg);
-                    else ca_dp_pv(om, alpha[(ti - 1) & 1], moves[(ti - 1) & 1], D, nk, &sg);
-                }
-                if (ti >= 0) { /* softmax of tile ti */
-                    const int64_t qt = qlo + ti / G, g = ti % G, mt = g * nqt + qt;
-                    ca_seg sg = w->sg;
-                    sg.s = w->sg.s + (ti & 1) * 16 * CA_LDS;
-                    sg.p = w->sg.p + (ti & 1) * 16 * CA_LDP;
-                    int64_t vis[16];
-                    const int64_t nk = ca_block_keys(prior + t0, nq, qt, b0, b1, vis);
-                    moves[ti & 1] = ca_softmax(vis, nk, c, &sg, w->m + mt * 16, w->l + mt * 16, alpha[ti & 1],
-                                              b0 == 0);
-                }
-            }
-            if (ntl > 0) { /* P V of the last tile */
-                const int64_t ti = ntl - 1, qt = qlo + ti / G, g = ti % G;
-                ca_seg sg = w->sg;
-                sg.p = w->sg.p + (ti & 1) * 16 * CA_LDP;
-                float *om = w->o + (g * nqt + qt) * 16 * D;
-                const int64_t nk = ca_block_keys(prior + t0, nq, qt, b0, b1, NULL);
-                if (amx) ca_pv(om, alpha[ti & 1], moves[ti & 1], D, nk, &sg);
-                else ca_dp_pv(om, alpha[ti & 1], moves[ti & 1], D, nk, &sg);
+            for (int64_t ti = 0; ti < ntl; ti++) {
+                const int64_t qt = qlo + ti / G, g = ti % G, mt = g * nqt + qt;
+                const uint16_t *qm = w->q + mt * 16 * D;
+                float *om = w->o + mt * 16 * D;
+                int64_t vis[16];
+                const int64_t nk = ca_block_keys(prior + t0, nq, qt, b0, b1, vis);
+                float alpha[16];
+                if (amx) ca_scores(qm, D, nk, &w->sg);
+                else ca_dp_scores(qm, D, nk, &w->sg);
+                const __mmask16 moves = ca_softmax(vis, nk, c, &w->sg, w->m + mt * 16, w->l + mt * 16, alpha, b0 == 0);
+                if (amx) ca_pv(om, alpha, moves, D, nk, &w->sg);
+                else ca_dp_pv(om, alpha, moves, D, nk, &w->sg);
             }
         }
     }
@@ -795,8 +766,8 @@ CA_VEC static int ca_run(const sg_chunk_attention_args *a) {
         ca_ws w;
         w.sg.kp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
         w.sg.vp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
-        w.sg.s = (float *)aligned_alloc(64, 2 * 16 * CA_LDS * 4); /* two M tiles' (ca_item's pipeline) */
-        w.sg.p = (uint16_t *)aligned_alloc(64, 2 * 16 * CA_LDP * 2);
+        w.sg.s = (float *)aligned_alloc(64, 16 * CA_LDS * 4); /* one M tile's (see ca_item) */
+        w.sg.p = (uint16_t *)aligned_alloc(64, 16 * CA_LDP * 2);
         w.q = (uint16_t *)aligned_alloc(64, nm * 16 * D * 2);
         w.o = (float *)aligned_alloc(64, nm * 16 * D * 4);
         w.m = (float *)malloc(nm * 16 * 4);
