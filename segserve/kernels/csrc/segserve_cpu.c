@@ -551,6 +551,10 @@ int sg_write_kv(const sg_write_kv_args *a) {
     char *c = (char *)cache;
     for (int64_t t = 0; t < n; t++) /* all checked before any write: a bad slot leaves the cache as it was */
         if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return ERR_SHAPE;
+    /* Both cores for a prefill step's rows (AMX Xeon, a 4,096-token step of SmolLM2-135M in bfloat16,
+     * 3 MiB of K and V a layer): 0.32 -> 0.21 ms a layer alone; in the engine, where the cache lines
+     * are cold, 19 -> 17 ms of a ~1.05 s prefill. */
+#pragma omp parallel for schedule(static) if (n * width * es >= (1 << 18))
     for (int64_t t = 0; t < n; t++) {
         int64_t slot = slot_mapping[t];
         memcpy(c + (size_t)slot * width * es, (const char *)k + (size_t)t * ldk * es, width * es);
