@@ -45,12 +45,16 @@ class EngineReplica:
         from segserve import LLMEngine
         from segserve.entrypoints.openai.api_server import make_server
         from segserve.entrypoints.openai.metrics import EngineMetrics
+        from segserve.entrypoints.serve import off_the_main_thread
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # torch's count is per process: the engine thread runs with it
         if loopback_only:
             _serve_grpc_on_loopback()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        llm_engine = LLMEngine.from_engine_args(engine_args)
+
+        # Built in a helper thread, as `segserve serve` does (serve.off_the_main_thread says why: an
+        # OpenMP pool left with the building thread slowed every step of the engine thread ~20 %).
+        llm_engine = off_the_main_thread(LLMEngine.from_engine_args, engine_args)
         self.app, self.engine = make_server(llm_engine, served_model_names, max_waiting_requests,
                                             log_interval_s, budget_source, **(server_options or {}))
         self.engine.observers.extend(observers)
