@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from segserve import malloc
 from segserve.attention.backends import AttentionBackend, get_attention_backend
 from segserve.config import num_kv_blocks_for
 from segserve.core.request import Request, RequestStatus
@@ -25,7 +26,7 @@ from segserve.engine.grammar_gate import GrammarGate
 from segserve.engine.output_processor import OutputProcessor, child_request_id
 from segserve.engine.step_monitor import StepErrorMonitor
 from segserve.engine_args import EngineArgs
-from segserve.models.llama import kv_cache_bytes_per_token
+from segserve.models.llama import kv_cache_bytes_per_token, step_activation_bytes_per_token
 from segserve.models.loader import LoadedModel, load_model
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
@@ -135,6 +136,9 @@ class LLMEngine:
             self.eos_token_id,
             args.seed,
         )
+        # The first large step's activations from pages the process already has (malloc.prefault).
+        per_token = step_activation_bytes_per_token(model_config, torch_dtype)
+        self.prefaulted_bytes = malloc.prefault(self.config.scheduler.max_num_batched_tokens * per_token)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.step_count = 0

@@ -103,6 +103,13 @@ def test_engine_builds_through_engine_args_the_same_from_keywords_and_flags(tiny
     # max_model_len unset: the model's 128; the pool is what 10.99 blocks of memory hold, + null.
     sized = LLMEngine(keywords.loaded, block_size=4, kv_cache_memory_bytes=11 * 2048 - 1)
     assert sized.max_model_len == 128 and sized.num_kv_blocks == 11
+    # malloc.prefault for the first large step: the budget (LLMEngine's default, 512) x the model's
+    # activation bytes a token (under 1 MB for this model), in 16 MiB pieces: one.
+    from segserve import malloc
+    from segserve.models.llama import step_activation_bytes_per_token
+    per_token = step_activation_bytes_per_token(sized.loaded.config, torch.float32)
+    assert sized.config.scheduler.max_num_batched_tokens == 512 and 0 < 512 * per_token <= 16 << 20
+    assert sized.prefaulted_bytes == (16 << 20 if malloc.applied else 0)
     with pytest.raises(TypeError, match="max_num_batched_token"):
         LLMEngine(keywords.loaded, max_num_batched_token=64)
 

@@ -30,7 +30,7 @@ from model_fixtures import (  # noqa: E402
 
 from segserve.attention.metadata import build_attention_metadata  # noqa: E402
 from segserve.models import loader  # noqa: E402
-from segserve.models.llama import LlamaConfig, kv_cache_bytes_per_token  # noqa: E402
+from segserve.models.llama import LlamaConfig, kv_cache_bytes_per_token, step_activation_bytes_per_token  # noqa: E402
 from segserve.models.loader import check_tensors, load_model  # noqa: E402
 from segserve.worker.cpu_step import CpuStep  # noqa: E402
 
@@ -230,6 +230,12 @@ def test_kv_cache_bytes_per_token():
     config = LlamaConfig(**SMOLLM2)
     assert kv_cache_bytes_per_token(config, torch.float32) == 2 * 30 * 3 * 64 * 4 == 46080
     assert kv_cache_bytes_per_token(config, torch.bfloat16) == 23040
+
+
+def test_step_activation_bytes_per_token():
+    config = LlamaConfig(**SMOLLM2)  # 8 H + 2 (Hq + 2 Hkv) D + 3 I values a token
+    assert step_activation_bytes_per_token(config, torch.bfloat16) == (4608 + 1920 + 4608) * 2 == 22272
+    assert step_activation_bytes_per_token(config, torch.float32) == 44544
 
 
 @pytest.mark.parametrize(

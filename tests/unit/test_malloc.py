@@ -59,3 +59,42 @@ def test_without_it_every_round_faults_the_buffer_in_again() -> None:
 def test_the_users_setting_stands(env) -> None:
     applied, _ = _run(**env)
     assert applied == "None"
+
+
+# A first "step" of three 8 MiB buffers after prefault(PREFAULT) (0: none): prints prefault's result and
+# the step's minor page faults.
+FIRST_STEP = """
+import resource
+import segserve.malloc as m
+import segserve
+done = m.prefault({prefault})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+bufs = [bytearray(8 << 20) for _ in range(3)]
+for b in bufs:
+    b[::4096] = b"x" * (len(b) // 4096)
+print(done, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _first_step(prefault: int, **env: str) -> tuple[int, int]:
+    base = {k: v for k, v in os.environ.items() if k not in _VARS}
+    out = subprocess.run([sys.executable, "-c", FIRST_STEP.format(prefault=prefault)], env=base | env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+def test_prefault_gives_a_first_step_pages_the_process_has() -> None:
+    done, faults = _first_step(0)
+    assert done == 0 and faults >= 6000  # the buffers' 6,144 pages, faulted in while the step runs
+    done, faults = _first_step(40 << 20)
+    assert done == 48 << 20  # three 16 MiB pieces
+    assert faults < 64
+
+
+def test_prefault_does_nothing_when_malloc_was_left_alone() -> None:
+    assert _first_step(40 << 20, SEGSERVE_MALLOC="0")[0] == 0
+
+
+def test_prefault_refuses_a_negative_size() -> None:
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        malloc.prefault(-1)
