@@ -71,14 +71,17 @@ def configure() -> dict[str, int] | None:
 # Pieces in which prefault() touches memory: below MMAP_THRESHOLD, so they come from the heap and
 # stay there when freed (a larger piece would be mmap'd and unmapped again).
 PREFAULT_PIECE = 16 << 20
+# The most prefault() touches: more would leave a free heap top above TRIM_THRESHOLD, which glibc
+# hands back to the kernel on the last free.
+PREFAULT_MAX = TRIM_THRESHOLD // 2
 
 
 def prefault(nbytes: int) -> int:
-    """Touch ``nbytes`` (rounded up to :data:`PREFAULT_PIECE`) of malloc's heap and free them again, so
-    that a first large step carves its activations out of pages the process already has, instead of
-    faulting them in one by one while it runs. Only when :func:`configure` applied its thresholds
-    (else the heap's top would be trimmed on free and the pages returned). Returns the bytes touched
-    (0 when it did nothing).
+    """Touch ``nbytes`` (rounded up to :data:`PREFAULT_PIECE`, at most :data:`PREFAULT_MAX`) of malloc's
+    heap and free them again, so that a first large step carves its activations out of pages the
+    process already has, instead of faulting them in one by one while it runs. Only when
+    :func:`configure` applied its thresholds (else the heap's top would be trimmed on free and the pages
+    returned). Returns the bytes touched (0 when it did nothing).
 
     Why: on the AMX Xeon (a virtual machine: a minor fault costs ~10 us there) the first 4,096-token
     bfloat16 prefill of a process faulted ~15,000 pages in (~60 MB) and took ~1.2 s where later ones
@@ -99,7 +102,7 @@ def prefault(nbytes: int) -> int:
     libc.memset.restype = ctypes.c_void_p
     pieces = []
     try:
-        for _ in range(-(-nbytes // PREFAULT_PIECE)):
+        for _ in range(-(-min(nbytes, PREFAULT_MAX) // PREFAULT_PIECE)):
             p = libc.malloc(PREFAULT_PIECE)
             if not p:
                 break
@@ -109,4 +112,3 @@ def prefault(nbytes: int) -> int:
         for p in reversed(pieces):
             libc.free(p)
     return len(pieces) * PREFAULT_PIECE
-

@@ -98,3 +98,12 @@ def test_prefault_does_nothing_when_malloc_was_left_alone() -> None:
 def test_prefault_refuses_a_negative_size() -> None:
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
         malloc.prefault(-1)
+
+
+def test_prefault_touches_at_most_prefault_max(monkeypatch) -> None:
+    # More would leave a free heap top above the trim threshold, handed back on the last free.
+    assert malloc.PREFAULT_MAX == malloc.TRIM_THRESHOLD // 2
+    monkeypatch.setattr(malloc, "PREFAULT_MAX", 2 * malloc.PREFAULT_PIECE)
+    monkeypatch.setattr(malloc, "applied", {"mmap_threshold": malloc.MMAP_THRESHOLD,
+                                            "trim_threshold": malloc.TRIM_THRESHOLD})
+    assert malloc.prefault(1 << 40) == 2 * malloc.PREFAULT_PIECE

@@ -47,7 +47,7 @@ class EngineReplica:
         from segserve.entrypoints.openai.metrics import EngineMetrics
         from segserve.entrypoints.serve import off_the_main_thread
 
-        torch.set_num_threads(threads)  # torch's count is per process: the engine thread runs with it
+        torch.set_num_threads(threads)  # threads started later take it too (the engine thread)
         if loopback_only:
             _serve_grpc_on_loopback()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
