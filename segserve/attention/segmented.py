@@ -241,9 +241,10 @@ class SegmentedAttentionBackend:
         plan = self._step_plan(metadata, kv_cache, compiled)
         if compiled:  # the decodes in one C call (q is already in the cache dtype)
             chunk_kernel = bool(plan.chunks) and chunk_kernels.supports(q, kv_cache)
-            if plan.decodes_fill_step or chunk_kernel or not plan.chunks:
+            if chunk_kernel or not plan.chunks:
                 # The kernels write every real row (each is a decode's or a chunk's): only the padding
-                # rows must be zeroed, not all of them (a 256-token step: 30 zero-fills of 295 KB).
+                # rows must be zeroed, not all of them (a 256-token step: 30 zero-fills of 295 KB; a
+                # step the decodes fill, plan.decodes_fill_step, has none).
                 out = torch.empty(q.shape, dtype=q.dtype)
                 if metadata.num_actual_tokens < q.shape[0]:
                     out[metadata.num_actual_tokens:].zero_()
