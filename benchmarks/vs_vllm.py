@@ -823,13 +823,15 @@ def bench_serve(base: str, args: argparse.Namespace, log_dir: Path, name: str, d
            "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(args.seed),
            "--num-warmups", str(warmups),
            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(log_dir), "--result-filename", result.name, *dataset]
+           "--save-result", "--save-detailed", "--result-dir", str(log_dir), "--result-filename", result.name,
+           *dataset]
     with open(log_dir / f"{name}.log", "w") as log:
         r = subprocess.run(cmd, env=engine_env("vllm", args), stdout=log, stderr=subprocess.STDOUT)
     if r.returncode != 0 or not result.is_file():
         raise RuntimeError(f"vllm bench serve exited {r.returncode} (log: {log_dir / (name + '.log')})")
     data = json.loads(result.read_text())
-    keep = {k: v for k, v in data.items() if not isinstance(v, list)}  # per-request lists are long
+    # The per-request lists (--save-detailed) stay in the log directory's copy: they are long.
+    keep = {k: v for k, v in data.items() if not isinstance(v, list)}
     return keep | {"command": cmd}
 
 

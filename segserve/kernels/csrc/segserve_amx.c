@@ -362,9 +362,14 @@ AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, 
                 __builtin_prefetch(r < 16 ? d->out0 + r * d->ldo : d->out1 + (r - 16) * d->ldo, 1, 3);
         stream_step(&ls[0], 0);
         stream_step(&ls[1], 1);
-        _tile_loadd(4, x0 + ks * 32, ldxb);
+        /* x's tiles with the no-reuse hint (TILELOADDT1): each is read once per panel, while the
+         * panel's B tiles are read again by every row pair of the item, and plain loads of x pushed
+         * those out of L1. 2026-12-04, engine steps of 1,088 rows (profile_prefill.py --budgets 1088,
+         * alternating builds, 5 pairs): the GEMMs 1,855-1,925 -> 1,965-2,016 GFLOP/s; 256 rows
+         * 1,370-1,453 -> 1,461-1,512; one 4,096-row step unchanged. Same bits. */
+        _tile_stream_loadd(4, x0 + ks * 32, ldxb);
         _tile_loadd(6, b[0] + ks * TILE_ELEMS, 64);
-        _tile_loadd(5, x1 + ks * 32, ldxb);
+        _tile_stream_loadd(5, x1 + ks * 32, ldxb);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
         if (nr > 1) {
