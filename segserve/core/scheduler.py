@@ -249,9 +249,13 @@ class Scheduler:
         num_partial = sum(
             1 for s in scheduled if s.request.num_computed_tokens + s.num_new_tokens < s.request.num_tokens
         )
+        deferred: list[Request] = []
         while self.waiting and budget.left > 0 and len(self.running) < self.sched.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self._computing_elsewhere(request, num_hit):
+                deferred.append(self.waiting.popleft())
+                continue
             remaining = request.num_tokens - num_hit
             # Admission is always cost-capped (is_decode=False), also where a prefix hit leaves a
             # resumed request one token (a decode by definition): kept so the cost budget admits
@@ -275,6 +279,30 @@ class Scheduler:
             scheduled.append(_Scheduled(request, num_new, claimed))
             num_partial += num_new < remaining
             budget.charge(num_new, num_hit)
+        self.waiting.extendleft(reversed(deferred))  # back in front, in their order
+
+    def _computing_elsewhere(self, request: Request, num_hit: int) -> bool:
+        """Whether the first block of ``request``'s prompt that the prefix cache does not hold (after
+        ``num_hit`` hit tokens) is one a running request is still computing: the same chained hash at
+        the same index (so the same tokens up to it), not yet computed there. The request then waits
+        (stays in the queue, later ones may go) and finds that block cached a step or a few later,
+        instead of computing the shared prefix a second time beside the first (a burst of prompts
+        that share a new system prompt or document computed it once per prompt otherwise; vLLM 0.32
+        does the same work twice, SGLang's radix cache waits for the running prefill). A running
+        request always progresses (running requests are scheduled first, or preempted back to the
+        queue, which ends the wait), so the wait ends."""
+        if not self.kv_cache_manager.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return False
+        index = num_hit // self.block_size
+        if index >= (request.num_tokens - 1) // self.block_size:  # a block no lookup could hit
+            return False
+        key = request.block_hashes[index]
+        end = (index + 1) * self.block_size
+        return any(
+            len(other.block_hashes) > index and other.block_hashes[index] == key
+            and other.num_computed_tokens < end
+            for other in self.running
+        )
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it at the front of the waiting queue (recompute later)."""

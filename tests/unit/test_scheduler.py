@@ -243,3 +243,58 @@ def test_prefix_cache_stats_count_each_admitted_request_once():
         step(sched)
     stats = sched.make_stats().prefix_cache
     assert (stats.requests, stats.queries, stats.hits) == (2, 200, 64)
+
+
+def test_a_prompt_waits_for_the_prefix_a_running_prompt_is_computing():
+    # a and b share 64 tokens (4 blocks) and arrive together; a request's chunk is capped at 32 of the
+    # 64-token budget, so b had room beside a. b waits while a computes the shared blocks, then is
+    # admitted with all 4 blocks hit and computes its own 4 tokens: 72 prompt tokens computed in all,
+    # where computing the prefix twice (b's chunks beside a's) took 136.
+    sched = make_scheduler(num_blocks=40, block_size=16, budget=64, long_prefill_token_threshold=32)
+    shared = list(range(100, 164))
+    sched.add_request(make_request("a", shared + [1, 2, 3, 4], max_tokens=2))
+    sched.add_request(make_request("b", shared + [5, 6, 7, 8], max_tokens=2))
+    assert step(sched).num_scheduled_tokens == {"a": 32}
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert step(sched).num_scheduled_tokens == {"a": 32}
+    out = step(sched)  # a's last 4 tokens; the shared blocks are cached now, so b goes too
+    assert out.num_scheduled_tokens == {"a": 4, "b": 4}
+    assert [list(r.block_ids) for r in out.scheduled_new_reqs] == [[1, 2, 3, 4, 6]]
+    assert sched.requests["b"].num_cached_tokens == 64
+    assert sched.make_stats().num_prompt_tokens_computed == 72
+
+
+def test_a_waiting_prompt_behind_a_shared_prefix_does_not_hold_back_others():
+    # b waits for a's blocks; c (no shared prefix) is admitted past it, and b keeps its place in front.
+    sched = make_scheduler(num_blocks=40, block_size=16, budget=48)
+    shared = list(range(100, 164))
+    sched.add_request(make_request("a", shared + [1], max_tokens=2))
+    sched.add_request(make_request("b", shared + [2], max_tokens=2))
+    sched.add_request(make_request("c", list(range(500, 520)), max_tokens=2))
+    assert step(sched).num_scheduled_tokens == {"a": 48}
+    assert step(sched).num_scheduled_tokens == {"a": 17, "c": 20}  # b: block 3 still being computed
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "c": 1, "b": 1}
+    assert sched.requests["b"].num_cached_tokens == 64
+
+
+def test_an_aborted_prefix_owner_ends_the_wait():
+    sched = make_scheduler(num_blocks=40, block_size=16, budget=32)
+    shared = list(range(100, 164))
+    sched.add_request(make_request("a", shared + [1], max_tokens=2))
+    sched.add_request(make_request("b", shared + [2], max_tokens=2))
+    assert step(sched).num_scheduled_tokens == {"a": 32}
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    out = step(sched)  # a's 2 computed blocks are cached; b hits them and computes the rest itself
+    assert out.num_scheduled_tokens == {"b": 32}
+    assert sched.requests["b"].num_cached_tokens == 32
+
+
+def test_without_prefix_caching_nothing_waits_for_a_shared_prefix():
+    sched = make_scheduler(num_blocks=40, block_size=16, budget=64, prefix_caching=False)
+    shared = list(range(100, 164))
+    sched.add_request(make_request("a", shared + [1], max_tokens=2))
+    sched.add_request(make_request("b", shared + [2], max_tokens=2))
+    assert step(sched).num_scheduled_tokens == {"a": 64}
+    assert step(sched).num_scheduled_tokens == {"a": 1, "b": 63}
