@@ -23,20 +23,21 @@ from segserve.simulator.step_model import LinearStepModel, RequestSlice, StepCom
 AUTO = "auto"
 # --target-itl-ms auto (the default): the target is AUTO_ITL_DECODE_STEPS times the profile's predicted
 # decode-only step of the sized-for streams (AUTO_DECODES decodes at AUTO_CONTEXT tokens of context), so
-# a step that carries a chunk stalls a stream for at most ~13 of its own decode steps, whatever the
+# a step that carries a chunk stalls a stream for at most ~20 of its own decode steps, whatever the
 # machine's speed. A fixed number of milliseconds fitted one 2-core host and not another: 500 ms was
 # right on a slow Zen 4 (EPYC family 25 model 17, 8 decodes ~27 ms: budget 608; 400 ms left 384-496
 # tokens and `vllm bench serve`'s shared-prefix TTFT p50 at 1.10-1.25 of vLLM-CPU's, 500 ms 0.72, 600 ms
 # 0.35-0.83; docs/perf.md "Serving: the step budget"), but on the AMX Xeon (8 decodes 18 ms) 500 ms
-# gave 1,504 tokens and lost to vLLM-CPU on serve TTFT p50, ITL p99 and prefix TTFT p50 / p99, where
-# 300 ms (960 tokens) won all four (docs/perf.md, "The AMX Xeon again"). It was 20 until 2026-12-04:
-# ~315 ms on the AMX Xeon left the stall scenario's max ITL at 0.31 of vLLM-CPU's (goal 0.25), and
-# 225 ms cost the shared-prefix TTFT p99 its margin (1,227 vs vLLM's 1,136 ms) because a prompt
-# arriving while another computed the same new prefix computed it a second time. Since the scheduler
-# makes such a prompt wait for the running one's blocks (Scheduler._computing_elsewhere), 210 ms (13 x
-# ~16 ms, 800 tokens) met all ten server goals there (stall 0.22, prefix p99 0.89). On the slow Zen 4
-# 13 x is ~350 ms: below the 400 ms that lost its prefix p50 before that change; not re-measured there.
-AUTO_ITL_DECODE_STEPS = 13
+# gave 1,504 tokens and lost to vLLM-CPU on serve TTFT p50 (1.05), ITL p99 (1.04) and prefix TTFT
+# p50 / p99 (1.10 / 1.01), where 300 ms (960 tokens) won all four (0.90, 0.91, 0.90 / 0.79) and the
+# stall scenario's max ITL fell from 534 to 305 ms (docs/perf.md, "The AMX Xeon again"). 20 x the
+# predicted step is ~550 ms on the first host and ~360 ms on the second. 13 x (196 ms, 768 tokens) was
+# tried on the AMX Xeon on 2026-12-04 beside one vLLM-CPU run (results/vs_vllm_s16.json): the stall's max
+# ITL 204 ms = 0.26 of vLLM's 784 (goal 0.25: still short), and the long prompt's TTFT (1.04), the
+# shared-prefix TTFT p50 / p99 (1.03 / 1.09) and serve TTFT p50 (1.01) lost; 300 ms (20 x) against the
+# same vLLM figures lost only the stall (0.37) and the prefix p50 (1.02). The stall goal needs steps
+# of <= 1/4 of vLLM's, which this host's long-prompt TTFT and burst throughput do not afford.
+AUTO_ITL_DECODE_STEPS = 20
 # The target of a profile that predicts no positive decode step (nothing to scale): the slow host's.
 FALLBACK_TARGET_ITL_MS = 500.0
 DEFAULT_TARGET_ITL_MS = AUTO

@@ -41,9 +41,9 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
     assert f"auto = {budget}" in choice.line
 
 
-def test_the_default_target_is_thirteen_decode_steps_of_the_profile():
-    """``--target-itl-ms auto``: 13 x the predicted step of 8 decodes at 256 tokens of context alone. On
-    ROWS (10 ms a step + 1 ms a padded row): 8 decodes 18 ms -> a 234 ms target -> budget 224."""
+def test_the_default_target_is_twenty_decode_steps_of_the_profile():
+    """``--target-itl-ms auto``: 20 x the predicted step of 8 decodes at 256 tokens of context alone. On
+    ROWS (10 ms a step + 1 ms a padded row): 8 decodes 18 ms -> a 360 ms target -> budget 320."""
     from segserve.simulator.budget import (
         AUTO_ITL_DECODE_STEPS,
         DEFAULT_TARGET_ITL_MS,
@@ -51,18 +51,18 @@ def test_the_default_target_is_thirteen_decode_steps_of_the_profile():
         decode_step,
     )
 
-    assert DEFAULT_TARGET_ITL_MS == "auto" and AUTO_ITL_DECODE_STEPS == 13
+    assert DEFAULT_TARGET_ITL_MS == "auto" and AUTO_ITL_DECODE_STEPS == 20
     step = decode_step(256, 8192)
     assert len(step.slices) == 8 and step.padded_tokens == 8
     assert all(s.prior == 256 and s.chunk == 1 and s.is_decode for s in step.slices)
-    assert math.isclose(auto_target_s(ROWS, 256, 8192), 13 * (0.010 + 8 * 0.001))  # 234 ms
+    assert math.isclose(auto_target_s(ROWS, 256, 8192), 20 * (0.010 + 8 * 0.001))  # 360 ms
     choice = auto_budget(ROWS, "auto", 16, 256, 8192)
-    assert choice.budget == 224 and math.isclose(choice.target_s, 0.234)  # 224 rows -> 234 ms; 240 -> 250
-    assert "--target-itl-ms 234 (auto: 13 x the predicted step of 8 decodes alone)" in choice.line
-    assert settle_budget("auto", ROWS, "auto", 16, 256, 8192).budget == 224
-    # max_num_seqs below 8: the decodes that can run (2 -> 13 x 12 ms = 156 ms -> 128 rows, 138 ms).
-    assert math.isclose(auto_target_s(ROWS, 2, 8192), 0.156)
-    assert auto_budget(ROWS, "auto", 16, 2, 8192).budget == 128
+    assert choice.budget == 320 and math.isclose(choice.target_s, 0.36)  # 320 -> 330 ms; 336 pads to 352
+    assert "--target-itl-ms 360 (auto: 20 x the predicted step of 8 decodes alone)" in choice.line
+    assert settle_budget("auto", ROWS, "auto", 16, 256, 8192).budget == 320
+    # max_num_seqs below 8: the decodes that can run (2 -> 20 x 12 ms = 240 ms -> 224 rows, 234 ms).
+    assert math.isclose(auto_target_s(ROWS, 2, 8192), 0.24)
+    assert auto_budget(ROWS, "auto", 16, 2, 8192).budget == 224
 
 
 def test_a_profile_without_a_decode_step_takes_the_fallback_target():
