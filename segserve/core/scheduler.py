@@ -286,11 +286,11 @@ class Scheduler:
         ``num_hit`` hit tokens) is one a running request is still computing: the same chained hash at
         the same index (so the same tokens up to it), not yet computed there. The request then waits
         (stays in the queue, later ones may go) and finds that block cached a step or a few later,
-        instead of computing the shared prefix a second time beside the first (a burst of prompts
-        that share a new system prompt or document computed it once per prompt otherwise; vLLM 0.32
-        does the same work twice, SGLang's radix cache waits for the running prefill). A running
-        request always progresses (running requests are scheduled first, or preempted back to the
-        queue, which ends the wait), so the wait ends."""
+        instead of computing the shared prefix a second time beside the first: a burst of prompts
+        sharing a new system prompt or document computed it once per prompt otherwise. (vLLM 0.32
+        registers a chunk's blocks when it schedules the chunk, so a second prompt there finds those
+        and computes the rest of the prefix again.) The running request is scheduled every step its
+        budget allows, or preempted back to the queue, which ends the wait."""
         if not self.kv_cache_manager.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return False
         index = num_hit // self.block_size
