@@ -747,12 +747,16 @@ CA_VEC static int ca_run(const sg_chunk_attention_args *a) {
     for (int64_t i = 0; i < n; i++)
         if (a->priors[i] + a->qlens[i] > longest) longest = a->priors[i] + a->qlens[i];
     if (seg > longest) seg = longest; /* bounds the buffers */
-    /* Items per chunk and KV head: cdiv(qlen, tq); smaller query tiles when there are few. */
+    /* Items per chunk and KV head: cdiv(qlen, tq); smaller query tiles until there are 2 per thread.
+     * Each item reads its KV head's whole prior, so every halving reads it once more: a 128-token
+     * chunk after 2,048 cached tokens (30 layers, 2 threads; bench_chunk_attention.py --prior 2048
+     * --chunk 128, alternating builds) took 20-21 ms cut for 4 items per thread (12 items of 32
+     * queries) and 18 ms for 2 (6 of 64); 512 after 2,048: 64-66 -> 62-63 ms; 256 or 512 after 0: equal. */
     int64_t items = 0;
     for (;;) {
         items = 0;
         for (int64_t i = 0; i < n; i++) items += (a->qlens[i] + tq - 1) / tq * Hkv;
-        if (tq <= 16 || items >= 4 * threads) break;
+        if (tq <= 16 || items >= 2 * threads) break;
         tq /= 2;
     }
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (n + 1)); /* first item of chunk i */
