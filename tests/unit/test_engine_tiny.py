@@ -230,3 +230,19 @@ def test_offline_llm_defaults_to_vllm_cpus_offline_budget(tiny):
     assert explicit.llm_engine.config.scheduler.max_num_batched_tokens == 48
     capped = LLM(**small, num_batched_tokens_buckets=[8, 64])
     assert capped.llm_engine.config.scheduler.max_num_batched_tokens == 64
+
+
+def test_a_prompt_that_waits_for_a_shared_prefix_generates_like_transformers(tiny):
+    # b shares a's first 24 tokens (6 blocks of 4) and arrives with it; a's chunks are capped at 8 of a
+    # 16-token budget, so b had room beside a but waits for a's blocks instead: it is served all 24 from
+    # the cache, and both generate what transformers does.
+    hf, root = tiny
+    llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_num_batched_tokens=16, max_model_len=128,
+              block_size=4, long_prefill_token_threshold=8)
+    shared = list(range(100, 124))
+    prompts = [shared + [5, 6, 7], shared + [8, 9]]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 24]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt)
+    llm.llm_engine.check_integrity()
