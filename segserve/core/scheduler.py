@@ -255,6 +255,8 @@ class Scheduler:
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             if self._computing_elsewhere(request, num_hit):
                 deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.sched.max_num_seqs:
+                    break  # a burst behind one prefix: look no further this step (O(max_num_seqs) work)
                 continue
             remaining = request.num_tokens - num_hit
             # Admission is always cost-capped (is_decode=False), also where a prefix hit leaves a

@@ -298,3 +298,21 @@ def test_without_prefix_caching_nothing_waits_for_a_shared_prefix():
     sched.add_request(make_request("b", shared + [2], max_tokens=2))
     assert step(sched).num_scheduled_tokens == {"a": 64}
     assert step(sched).num_scheduled_tokens == {"a": 1, "b": 63}
+
+
+def test_the_scan_past_waiting_prompts_stops_after_max_num_seqs_of_them():
+    # b, c, d wait for a's prefix; with max_num_seqs = 3 the scan stops at the third, so e (no shared
+    # prefix) is not reached this step; once a's prefix is cached all of them are admitted in order.
+    sched = make_scheduler(num_blocks=60, block_size=16, budget=64, long_prefill_token_threshold=32,
+                           max_num_seqs=3)
+    shared = list(range(100, 164))
+    sched.add_request(make_request("a", shared + [1], max_tokens=2))
+    for rid, tail in (("b", 2), ("c", 3), ("d", 4)):
+        sched.add_request(make_request(rid, shared + [tail], max_tokens=2))
+    sched.add_request(make_request("e", list(range(500, 520)), max_tokens=2))
+    assert step(sched).num_scheduled_tokens == {"a": 32}
+    assert [r.request_id for r in sched.waiting] == ["b", "c", "d", "e"]
+    assert step(sched).num_scheduled_tokens == {"a": 32}
+    out = step(sched)  # a's last token; the 4 shared blocks are cached: b and c fill max_num_seqs
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
+    assert [r.request_id for r in sched.waiting] == ["d", "e"]
