@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from segserve.config import cdiv
 from segserve.core.block_pool import BlockPool, KVCacheBlock
-from segserve.core.kv_cache_utils import extend_block_hashes
+from segserve.core.kv_cache_utils import BlockHash, extend_block_hashes
 from segserve.core.request import Request
 
 
@@ -81,17 +81,26 @@ class KVCacheManager:
         positions are never computed. Returns (hit blocks, hit tokens), tokens a multiple of
         ``block_size``.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        hashes = self.block_hashes(request)
+        if not hashes:
             return KVCacheBlocks(), 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for key in request.block_hashes[:max_hit_blocks]:
+        for key in hashes[:max_hit_blocks]:
             block = self.pool.get_cached_block(key)
             if block is None:
                 break
             hits.append(block)
         return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The keys of the request's full blocks (``request.block_hashes``, extended to all its tokens)
+        that a prefix-cache lookup would use; empty when it would use none (caching off, or the request
+        wants prompt logprobs)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        return request.block_hashes
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup in the prefix-cache stats (once per request, so a

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from segserve.config import EngineConfig, SchedulerConfig, cdiv
 from segserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from segserve.core.kv_cache_utils import BlockHash
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler_output import (
     CachedRequestData,
@@ -250,10 +251,20 @@ class Scheduler:
             1 for s in scheduled if s.request.num_computed_tokens + s.num_new_tokens < s.request.num_tokens
         )
         deferred: list[Request] = []
+        pending: set[tuple[int, BlockHash]] = set()  # (index, key) of blocks found in flight this step
         while self.waiting and budget.left > 0 and len(self.running) < self.sched.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            if self._computing_elsewhere(request, num_hit):
+            # A prompt sharing a block already found in flight waits with no lookup of its own: a burst
+            # behind one long prefix would otherwise look up every cached block of it for every
+            # waiting prompt at every step.
+            wait = bool(pending) and self._shares_pending_block(request, pending)
+            if not wait:
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                in_flight = self._computing_elsewhere(request, num_hit)
+                if in_flight is not None:
+                    pending.add(in_flight)
+                    wait = True
+            if wait:
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= self.sched.max_num_seqs:
                     break  # a burst behind one prefix: look no further this step (O(max_num_seqs) work)
@@ -283,7 +294,17 @@ class Scheduler:
             budget.charge(num_new, num_hit)
         self.waiting.extendleft(reversed(deferred))  # back in front, in their order
 
-    def _computing_elsewhere(self, request: Request, num_hit: int) -> bool:
+    def _shares_pending_block(self, request: Request, pending: set[tuple[int, BlockHash]]) -> bool:
+        """Whether ``request``'s prompt has one of the ``pending`` blocks (index, key), found in flight
+        earlier in this step, at a block a lookup could hit. The same chained key at the same index
+        means the same tokens up to it, so its first uncached block is at most that one: it waits as
+        the prompt that found it does (a block of it evicted since then only makes the wait one a
+        lookup would have skipped; waiting is always safe)."""
+        hashes = self.kv_cache_manager.block_hashes(request)
+        limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        return any(index < limit and hashes[index] == key for index, key in pending)
+
+    def _computing_elsewhere(self, request: Request, num_hit: int) -> tuple[int, BlockHash] | None:
         """Whether the first block of ``request``'s prompt that the prefix cache does not hold (after
         ``num_hit`` hit tokens) is one a running request is still computing: the same chained hash at
         the same index (so the same tokens up to it), not yet computed there. The request then waits
@@ -292,19 +313,20 @@ class Scheduler:
         sharing a new system prompt or document computed it once per prompt otherwise. (vLLM 0.32
         registers a chunk's blocks when it schedules the chunk, so a second prompt there finds those
         and computes the rest of the prefix again.) The running request is scheduled every step its
-        budget allows, or preempted back to the queue, which ends the wait."""
-        if not self.kv_cache_manager.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return False
+        budget allows, or preempted back to the queue, which ends the wait. Returns that block's
+        (index, key), or None when the request need not wait."""
+        hashes = self.kv_cache_manager.block_hashes(request)
         index = num_hit // self.block_size
-        if index >= (request.num_tokens - 1) // self.block_size:  # a block no lookup could hit
-            return False
-        key = request.block_hashes[index]
+        if index >= min(len(hashes), (request.num_tokens - 1) // self.block_size):  # no lookup could hit it
+            return None
+        key = hashes[index]
         end = (index + 1) * self.block_size
-        return any(
+        busy = any(
             len(other.block_hashes) > index and other.block_hashes[index] == key
             and other.num_computed_tokens < end
             for other in self.running
         )
+        return (index, key) if busy else None
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it at the front of the waiting queue (recompute later)."""

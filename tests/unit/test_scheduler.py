@@ -316,3 +316,23 @@ def test_the_scan_past_waiting_prompts_stops_after_max_num_seqs_of_them():
     out = step(sched)  # a's last token; the 4 shared blocks are cached: b and c fill max_num_seqs
     assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
     assert [r.request_id for r in sched.waiting] == ["d", "e"]
+
+
+def test_prompts_behind_a_block_found_in_flight_wait_without_a_lookup_of_their_own():
+    # b, c, d share a's prefix: b's lookup finds a's block 2 in flight; c and d match that block's key
+    # at the same index and wait with no lookup of their own (one lookup per step for the burst).
+    sched = make_scheduler(num_blocks=60, block_size=16, budget=64, long_prefill_token_threshold=32)
+    shared = list(range(100, 164))
+    sched.add_request(make_request("a", shared + [1], max_tokens=2))
+    for rid, tail in (("b", 2), ("c", 3), ("d", 4)):
+        sched.add_request(make_request(rid, shared + [tail], max_tokens=2))
+    step(sched)  # a admitted (32 tokens); b, c, d wait
+    looked_up = []
+    lookup = sched.kv_cache_manager.get_computed_blocks
+    sched.kv_cache_manager.get_computed_blocks = lambda r: looked_up.append(r.request_id) or lookup(r)
+    assert step(sched).num_scheduled_tokens == {"a": 32}
+    assert looked_up == ["b"]
+    assert [r.request_id for r in sched.waiting] == ["b", "c", "d"]
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert [sched.requests[r].num_cached_tokens for r in "bcd"] == [64, 64, 64]
