@@ -61,6 +61,8 @@ class Request:
         cache_salt: extra key mixed into the first block's hash; requests with different salts never
             share cached blocks.
         num_preemptions: times this request was preempted (recomputed from scratch afterwards).
+        num_prompt_logprobs_sent: prompt positions whose prompt-logprob entries went out (a preempted
+            request recomputes its prompt; those positions are not sent again).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self.num_preemptions = 0
+        self.num_prompt_logprobs_sent = 0
         self.stop_reason: int | str | None = None
 
     @property

@@ -430,6 +430,9 @@ class Scheduler:
                 if self._check_stop(request, token):
                     break
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            prompt_logprobs = self._unsent_prompt_logprobs(
+                request, runner_output.prompt_logprobs.get(rid), scheduler_output.num_scheduled_tokens[rid]
+            )
             if new_tokens or request.is_finished:
                 outputs.append(
                     EngineCoreOutput(
@@ -439,22 +442,35 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
                         logprobs=runner_output.logprobs.get(rid),
-                        prompt_logprobs=runner_output.prompt_logprobs.get(rid),
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
-            elif rid in runner_output.prompt_logprobs:
+            elif prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
                         req_id=rid,
                         new_token_ids=[],
                         num_cached_tokens=request.num_cached_tokens,
-                        prompt_logprobs=runner_output.prompt_logprobs[rid],
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
             if request.is_finished:
                 self.running.remove(request)
                 self._free(request)
         return outputs
+
+    @staticmethod
+    def _unsent_prompt_logprobs(request: Request, entries: list | None, num_scheduled: int) -> list | None:
+        """The runner's prompt-logprob entries for this step's positions (``prior`` .. on, one per
+        position) less those already sent: a preempted request recomputes its prompt from the start,
+        and the positions before ``request.num_prompt_logprobs_sent`` went out before it was preempted
+        (the recomputed values are the same). None when the runner sent none."""
+        if entries is None:
+            return None
+        prior = request.num_computed_tokens - num_scheduled  # advanced when the step was scheduled
+        skip = min(len(entries), max(0, request.num_prompt_logprobs_sent - prior))
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, prior + len(entries))
+        return entries[skip:]
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
