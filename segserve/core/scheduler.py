@@ -6,7 +6,9 @@ step. A decode (``Request.is_decode``: one token left, past the prompt) costs on
 is computed in chunks (seed 003, chunked prefill); with ``attention_cost_tokens`` set, chunks are
 also charged their attention cost (see ``_Budget``). With the default ``decode_first`` policy,
 running requests are served first (decodes, then continuing prefills) and waiting prompts top up the
-budget; ``prefill_first`` admits waiting prompts first.
+budget; ``prefill_first`` admits waiting prompts first. A waiting prompt whose next uncached block a
+running prompt is still computing waits for it rather than computing a shared prefix twice
+(``_computing_elsewhere``).
 
 As in vLLM v1, ``schedule()`` decides (admission, allocation, preemption), builds the
 ``SchedulerOutput`` from what it decided, then ``_update_after_schedule()`` advances the requests
