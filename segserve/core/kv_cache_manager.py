@@ -81,26 +81,23 @@ class KVCacheManager:
         positions are never computed. Returns (hit blocks, hit tokens), tokens a multiple of
         ``block_size``.
         """
-        hashes = self.block_hashes(request)
-        if not hashes:
-            return KVCacheBlocks(), 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for key in hashes[:max_hit_blocks]:
+        for key in self.hittable_hashes(request):
             block = self.pool.get_cached_block(key)
             if block is None:
                 break
             hits.append(block)
         return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
-    def block_hashes(self, request: Request) -> list[BlockHash]:
-        """The keys of the request's full blocks (``request.block_hashes``, extended to all its tokens)
-        that a prefix-cache lookup would use; empty when it would use none (caching off, or the request
-        wants prompt logprobs)."""
+    def hittable_hashes(self, request: Request) -> list[BlockHash]:
+        """The keys a prefix-cache lookup of the request may hit, in order: its full blocks' chained
+        hashes (``request.block_hashes``, extended to all its tokens) up to ``num_tokens - 1`` tokens, so
+        the last token is recomputed (its logits are needed); empty when it may hit none (caching off,
+        or the request wants prompt logprobs: see :meth:`get_computed_blocks`)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
-        return request.block_hashes
+        return request.block_hashes[: (request.num_tokens - 1) // self.block_size]
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup in the prefix-cache stats (once per request, so a

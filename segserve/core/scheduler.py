@@ -302,9 +302,8 @@ class Scheduler:
         means the same tokens up to it, so its first uncached block is at most that one: it waits as
         the prompt that found it does (a block of it evicted since then only makes the wait one a
         lookup would have skipped; waiting is always safe)."""
-        hashes = self.kv_cache_manager.block_hashes(request)
-        limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
-        return any(index < limit and hashes[index] == key for index, key in pending)
+        hashes = self.kv_cache_manager.hittable_hashes(request)
+        return any(index < len(hashes) and hashes[index] == key for index, key in pending)
 
     def _computing_elsewhere(self, request: Request, num_hit: int) -> tuple[int, BlockHash] | None:
         """Whether the first block of ``request``'s prompt that the prefix cache does not hold (after
@@ -317,9 +316,9 @@ class Scheduler:
         and computes the rest of the prefix again.) The running request is scheduled every step its
         budget allows, or preempted back to the queue, which ends the wait. Returns that block's
         (index, key), or None when the request need not wait."""
-        hashes = self.kv_cache_manager.block_hashes(request)
+        hashes = self.kv_cache_manager.hittable_hashes(request)
         index = num_hit // self.block_size
-        if index >= min(len(hashes), (request.num_tokens - 1) // self.block_size):  # no lookup could hit it
+        if index >= len(hashes):  # no lookup could hit it
             return None
         key = hashes[index]
         end = (index + 1) * self.block_size
