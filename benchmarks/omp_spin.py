@@ -27,6 +27,7 @@ from pathlib import Path
 SETTINGS = {
     "default": {},
     "spin1000": {"GOMP_SPINCOUNT": "1000"},
+    "spin3000": {"GOMP_SPINCOUNT": "3000"},
     "spin10000": {"GOMP_SPINCOUNT": "10000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     # Threads pinned one per core (what vLLM-CPU does with VLLM_CPU_OMP_THREADS_BIND).

@@ -63,6 +63,8 @@ class Fingerprint:
         kernel_source: hash of the kernels' C sources (``segserve.kernels.build.source_hash``).
         block_size: KV block size, tokens.
         kv_segment_size: the segmented kernel's segment, tokens.
+        omp_wait: libgomp's idle-wait setting (``segserve.openmp.wait_setting``): how long its threads
+            spin between a step's parallel regions changes a short step's time by ~25 % here.
     """
 
     cpu_model: str
@@ -75,6 +77,7 @@ class Fingerprint:
     kernel_source: str
     block_size: int
     kv_segment_size: int
+    omp_wait: str
 
     def key(self) -> str:
         """16 hex digits of SHA-256 over the fields: the cache file's name."""
@@ -141,13 +144,14 @@ def machine_fingerprint(
     Raises:
         FileNotFoundError: the model path does not exist (or the default model is not installed).
     """
+    from segserve import openmp
     from segserve.kernels import build
 
     path, size = _model_identity(model)
     count = _cpu_count()
     return Fingerprint(
         cpu_model_name(), count, _threads(count), path, size, str(dtype), build.expected_available(),
-        build.source_hash(), block_size, kv_segment_size,
+        build.source_hash(), block_size, kv_segment_size, openmp.wait_setting(),
     )
 
 

@@ -60,6 +60,11 @@ def test_fingerprint_names_the_machine_model_and_settings(fp, model_file, monkey
     expected = {"threads", "kernels"} if fp.kernels else {"threads"}
     assert {d.split(":")[0] for d in diff} == expected
     assert f"threads: 1 != {fp.threads}" in diff
+    # libgomp's idle-wait setting as well: a short step's time depends on it.
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    spin = cal.machine_fingerprint(model_file, "float32", 16, 512)
+    assert spin.omp_wait.startswith("GOMP_SPINCOUNT=123")
+    assert {d.split(":")[0] for d in spin.differences(dataclasses.asdict(off))} == {"omp_wait", "model_bytes"}
 
 
 def test_fingerprint_of_a_missing_model_is_an_error(tmp_path):

@@ -36,3 +36,15 @@ def test_the_users_setting_stands(env, seen) -> None:
 def test_after_torch_it_changes_nothing() -> None:
     # libgomp read its settings when torch loaded it; a later change would only mislead.
     assert _run(pre="import torch\n") == "None None"
+
+
+@pytest.mark.parametrize(("env", "seen"), [({}, "libgomp default"),
+                                           ({"GOMP_SPINCOUNT": "10000"}, "GOMP_SPINCOUNT=10000"),
+                                           ({"GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": "PASSIVE"},
+                                            "GOMP_SPINCOUNT=5, OMP_WAIT_POLICY=PASSIVE")])
+def test_wait_setting_names_what_libgomp_runs_with(monkeypatch, env, seen) -> None:
+    for var in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert openmp.wait_setting() == seen
