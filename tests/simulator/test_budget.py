@@ -41,9 +41,9 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
     assert f"auto = {budget}" in choice.line
 
 
-def test_the_default_target_is_twenty_decode_steps_of_the_profile():
-    """``--target-itl-ms auto``: 20 x the predicted step of 8 decodes at 256 tokens of context alone. On
-    ROWS (10 ms a step + 1 ms a padded row): 8 decodes 18 ms -> a 360 ms target -> budget 320."""
+def test_the_default_target_is_fourteen_decode_steps_of_the_profile():
+    """``--target-itl-ms auto``: 14 x the predicted step of 8 decodes at 256 tokens of context alone. On
+    ROWS (10 ms a step + 1 ms a padded row): 8 decodes 18 ms -> a 252 ms target -> budget 224."""
     from segserve.simulator.budget import (
         AUTO_ITL_DECODE_STEPS,
         DEFAULT_TARGET_ITL_MS,
@@ -51,18 +51,18 @@ def test_the_default_target_is_twenty_decode_steps_of_the_profile():
         decode_step,
     )
 
-    assert DEFAULT_TARGET_ITL_MS == "auto" and AUTO_ITL_DECODE_STEPS == 20
+    assert DEFAULT_TARGET_ITL_MS == "auto" and AUTO_ITL_DECODE_STEPS == 14
     step = decode_step(256, 8192)
     assert len(step.slices) == 8 and step.padded_tokens == 8
     assert all(s.prior == 256 and s.chunk == 1 and s.is_decode for s in step.slices)
-    assert math.isclose(auto_target_s(ROWS, 256, 8192), 20 * (0.010 + 8 * 0.001))  # 360 ms
+    assert math.isclose(auto_target_s(ROWS, 256, 8192), 14 * (0.010 + 8 * 0.001))  # 252 ms
     choice = auto_budget(ROWS, "auto", 16, 256, 8192)
-    assert choice.budget == 320 and math.isclose(choice.target_s, 0.36)  # 320 -> 330 ms; 336 pads to 352
-    assert "--target-itl-ms 360 (auto: 20 x the predicted step of 8 decodes alone)" in choice.line
-    assert settle_budget("auto", ROWS, "auto", 16, 256, 8192).budget == 320
-    # max_num_seqs below 8: the decodes that can run (2 -> 20 x 12 ms = 240 ms -> 224 rows, 234 ms).
-    assert math.isclose(auto_target_s(ROWS, 2, 8192), 0.24)
-    assert auto_budget(ROWS, "auto", 16, 2, 8192).budget == 224
+    assert choice.budget == 224 and math.isclose(choice.target_s, 0.252)  # 224 -> 234 ms; 240 pads to 256
+    assert "--target-itl-ms 252 (auto: 14 x the predicted step of 8 decodes alone)" in choice.line
+    assert settle_budget("auto", ROWS, "auto", 16, 256, 8192).budget == 224
+    # max_num_seqs below 8: the decodes that can run (2 -> 14 x 12 ms = 168 ms -> 128 rows, 138 ms).
+    assert math.isclose(auto_target_s(ROWS, 2, 8192), 0.168)
+    assert auto_budget(ROWS, "auto", 16, 2, 8192).budget == 128
 
 
 def test_a_profile_without_a_decode_step_takes_the_fallback_target():
@@ -72,23 +72,23 @@ def test_a_profile_without_a_decode_step_takes_the_fallback_target():
     assert auto_target_s(zero, 256, 8192) == FALLBACK_TARGET_ITL_MS / 1000 == 0.5
 
 
-def test_auto_attention_cost_is_twice_the_row_cost_over_the_attention_cost():
-    """K = 2 x the cost of a padded row / the cost of one unit of chunk attention
-    (``ATTENTION_COST_SLACK``): this machine's bfloat16 profile (0.455 ms a row, 2.06e-7 s per unit)
-    gives ~4,400; without an attention term there is none."""
+def test_auto_attention_cost_is_the_row_cost_over_the_attention_cost():
+    """K = the cost of a padded row / the cost of one unit of chunk attention (the break-even K;
+    ``ATTENTION_COST_SLACK`` 1): a bfloat16 profile (0.455 ms a row, 2.06e-7 s per unit) gives ~2,200;
+    without an attention term there is none."""
     from segserve.simulator.budget import ATTENTION_COST_SLACK
 
-    assert ATTENTION_COST_SLACK == 2
+    assert ATTENTION_COST_SLACK == 1
     model = LinearStepModel({"step": 0.020, "padded_tokens": 0.000455, "prefill_attn": 2.06e-7})
-    assert auto_attention_cost(model) == 4417  # round(2 * 0.000455 / 2.06e-7)
+    assert auto_attention_cost(model) == 2209  # round(0.000455 / 2.06e-7)
     choice = auto_budget(model, 0.4, 16, 256, 8192)
-    assert choice.attention_cost_tokens == 4417 and "attention cost K = 4417 tokens" in choice.line
+    assert choice.attention_cost_tokens == 2209 and "attention cost K = 2209 tokens" in choice.line
     assert auto_attention_cost(ROWS) == 0 and auto_budget(ROWS, 0.4, 16, 256, 8192).attention_cost_tokens == 0
     # segserve serve: not given, auto with an automatic budget and off with a given one; auto takes K
     # from an automatic budget; a number wins.
     given = settle_budget(512, model, 400, 16, 256, 8192)
-    assert (attention_cost_for("auto", choice), attention_cost_for(0, choice)) == (4417, 0)
-    assert (attention_cost_for(None, choice), attention_cost_for(None, given)) == (4417, 0)
+    assert (attention_cost_for("auto", choice), attention_cost_for(0, choice)) == (2209, 0)
+    assert (attention_cost_for(None, choice), attention_cost_for(None, given)) == (2209, 0)
     assert attention_cost_for(1000, given) == 1000
     with pytest.raises(ValueError, match=r"--attention-cost-tokens auto is sized with "
                        r"--max-num-batched-tokens auto, not with a given budget \(512\)"):
