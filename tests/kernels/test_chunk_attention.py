@@ -226,3 +226,19 @@ def test_one_and_two_threads_give_the_same_bits(query_lens: list[int], priors: l
     n = sum(query_lens)
     assert torch.equal(one[:n], two[:n])
     assert torch.count_nonzero(one[:n]) > 0
+
+
+def test_a_late_key_far_above_the_running_max_moves_it() -> None:
+    """Keys from position 512 on have scores ~40x the first ones' (hundreds in log2 units above the
+    running max that the first blocks set): a block whose every row sees all its keys takes the one-pass
+    softmax, which must still find the rows whose max moves (P = 2^x would overflow float32 to inf
+    otherwise) and redo them; the output matches float32 SDPA within the usual bounds."""
+    case = make_case([64], [1024], block_size=16, seg=512, heads=(9, 3), head_dim=64, dtype=torch.bfloat16,
+                     seed=3)
+    row = case.metadata.block_table[0].tolist()
+    case.cache[0, row[512 // 16 : 1024 // 16]] *= 40
+    expect = sdpa_oracle(case, case.cache.clone())
+    got = _run_kernel(case).float()
+    assert torch.isfinite(got).all()
+    err = (got - expect).abs()
+    assert err.max() <= MAX_ABS_ERR and err.mean() <= MEAN_ABS_ERR, (err.max().item(), err.mean().item())

@@ -21,8 +21,9 @@
  *   softmax     per row, in AVX-512: the segment's max m', P = 2^(S * scale * log2 e - m) with
  *               m = m_old unless m' > m_old + 8, else m' (masked keys: P = 0), rounded to bfloat16,
  *               the sum of P in float32, the running output and sum rescaled by 2^(m_old - m). After
- *               a tile's first block, m' is taken in the same pass as P (rows whose m moves, rare,
- *               are done again), with the same bits as the two passes.
+ *               a tile's first block, P is computed with m as it is in one pass and only rows with
+ *               a partial sum above 240 take m' (rows whose m moves, rare, are done again), with the
+ *               same bits as the two passes.
  *   O += P V    P tile [16 rows x 32 keys] (A) times V packed [16 key pairs x 16 dims x 2] (B), the
  *               running output [16 x D] float32 loaded into C tiles and stored back.
  *
@@ -372,13 +373,18 @@ CA_VEC static __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, floa
 
 /* ca_softmax_2pass's result, bit for bit, in one pass over the scores when every row sees all nk keys
  * and the running max is set (not the tile's first block): P is computed with the running max as it
- * is while the row's maximum is taken along; a row whose maximum moves the running max (rare after the
- * first block: it takes a score CA_SLACK above it) is done again with the new one. Saves the max pass
- * (a load and a max per 16 scores) and its transpose. Needs c > 0: then the largest fl(s * c) is
- * fl(max(s) * c), so the test on the row's lanes is ca_softmax_2pass's test on its maximum. */
+ * is; a row whose maximum moves the running max (rare after the first block: it takes a score CA_SLACK
+ * above it) is done again with the new one. Saves the max pass (a load and a max per 16 scores) and its
+ * transpose. The row's maximum is not taken along either (two of the loop's ~20 vector micro-ops per 32
+ * scores, on the two ports that bound it): a score that moves the max has P = 2^x with x = s * c - m
+ * above CA_SLACK less a rounding, so P > CA_MOVE_P, and every lane of the row's partial sums is at least
+ * each P added into it; only a row with a lane sum above CA_MOVE_P takes its maximum and the exact test
+ * (mostly to find it does not move). Needs c > 0: then the largest fl(s * c) is fl(max(s) * c), so the
+ * test on the row's maximum is ca_softmax_2pass's. */
+#define CA_MOVE_P 240.0f /* 2^(CA_SLACK - 0.09): below any P of a score that moves the max */
 CA_VEC static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, float *m, float *l,
                                             float alpha[16]) {
-    const __m512 cv = _mm512_set1_ps(c);
+    const __m512 cv = _mm512_set1_ps(c), move_p = _mm512_set1_ps(CA_MOVE_P);
     const __m512 m_old = _mm512_loadu_ps(m);
     float limit[16];
     _mm512_storeu_ps(limit, _mm512_add_ps(m_old, _mm512_set1_ps(CA_SLACK)));
@@ -388,12 +394,12 @@ CA_VEC static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, 
         const float *s = sg->s + r * CA_LDS;
         uint16_t *p = sg->p + r * CA_LDP;
         const __m512 mv = _mm512_set1_ps(m[r]);
-        __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t k = 0; k < nk; k += 32) {
-            mx = _mm512_max_ps(mx, _mm512_max_ps(_mm512_loadu_ps(s + k), _mm512_loadu_ps(s + k + 16)));
-            sum = ca_exp32(s + k, p + k, cv, mv, 32, sum);
-        }
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = 0; k < nk; k += 32) sum = ca_exp32(s + k, p + k, cv, mv, 32, sum);
         acc[r] = sum;
+        if (!_mm512_cmp_ps_mask(sum, move_p, _CMP_GT_OQ)) continue;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t k = 0; k < nk; k += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + k));
         if (_mm512_cmp_ps_mask(_mm512_mul_ps(mx, cv), _mm512_set1_ps(limit[r]), _CMP_GT_OQ)) {
             moves |= (__mmask16)(1u << r);
             m[r] = _mm512_reduce_max_ps(mx) * c;
