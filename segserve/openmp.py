@@ -6,8 +6,8 @@ libgomp thread spins ``GOMP_SPINCOUNT`` rounds at the end of every parallel regi
 before it sleeps on a futex; libgomp's default is 300,000 rounds (~3 ms here: a ``pause`` takes ~11 ns
 on the AMX Xeon). A chunk step runs ~9 regions per layer with the Python of ``forward_chunk`` between
 them (~10-100 us each): a thread that slept by then costs the next region its wake-up (~60 us), so a
-256-token step took ~74 ms instead of ~57. Spinning too long is as bad on a shared machine: on 2 cores a spinning
-thread holds the core its descheduled peer needs to finish the region.
+256-token step took ~74 ms instead of ~57. Spinning too long is as bad on a shared machine: on 2 cores
+a spinning thread holds the core its descheduled peer needs to finish the region.
 
 ``SPIN_COUNT`` = 10,000 (~110 us) covers the gaps inside a step. ``benchmarks/omp_spin.py --settings
 default,spin1000,spin3000,spin10000 --rounds 3 --load 0|1`` (2026-12-05, AMX Xeon, 256-token chunk

@@ -66,6 +66,16 @@ AMX_STACK_MIN_ROWS = 1
 # tiles' step includes the fused LM head): 8 rows 14.3 vs 15.3 ms with the tiles, 12 rows 20.7 vs 19.8, 16
 # rows 22.2 vs 21.7, 32 rows 43.1 vs 37.2, 64 rows 84.5 vs 63.2.
 TILE_STACK_MIN_ROWS = 16
+# Most rows whose AMX LM head runs as amx.rows_linear (the weight streamed once through one-row-pair
+# tiles) rather than amx.linear (the tile GEMM); the two give the same bits. Since the GEMM keeps a
+# weight column chunk in one thread for few rows (2026-12-04), it reads the 56 MB head as fast or
+# faster from memory: /tmp harness, cache evicted between calls, 2 threads, AMX Xeon, 2026-12-05: 1 row
+# 2.34 vs 2.26 ms, 16 rows 2.72 vs 2.34, 32 rows 3.24 vs 2.86, 64 rows 4.86 vs 3.71. In the engine
+# (benchmarks/profile_bf16_decode.py --batches 64 --prompt-len 300 --reps 15, fresh processes
+# alternating, 3 pairs, with 32 as this limit) a 64-row step 57.1-58.8 -> 55.5-56.1 ms; with 8, 16- and
+# 32-row steps were equal within noise (21.0-21.7 vs 21.7-21.9, 33.0-33.9 vs 33.7-33.8 ms) and batch 1
+# noisy either way (10.2-10.9 vs 11.0-12.2 ms), so up to 32 rows keep rows_linear.
+HEAD_ROWS_LINEAR_MAX = 32
 
 
 class CpuStep:
@@ -127,7 +137,7 @@ class CpuStep:
             self._packed_lm_head = None
         elif self._tile_weights is not None and tile_gemm() is amx and amx.supports(model.lm_head_weight) \
                 and (model.lm_head is None or model.lm_head.bias is None):
-            # Decode steps of 2-64 rows (amx.rows_linear) and more rows (amx.linear) read this copy.
+            # Decode steps of up to HEAD_ROWS_LINEAR_MAX rows (amx.rows_linear) and more (amx.linear) read it.
             if model.lm_head is not None:
                 model.lm_head.unpack()
             self._packed_lm_head = None
@@ -308,9 +318,9 @@ class CpuStep:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, H)`` hidden states -> ``(N, vocab)`` float32 logits, as the model's ``compute_logits``
         (equal within summation order; bfloat16 packed results bitwise): from ``AMX_STACK_MIN_ROWS`` rows
-        the AMX tile copy :meth:`prepack` made when there is one (``amx.rows_linear`` up to 64 rows,
-        ``amx.linear`` above; rounded to bfloat16 first, as the others), else the compiled linear for
-        up to ``MAX_SMALL_ROWS`` rows, else oneDNN's packed copy."""
+        the AMX tile copy :meth:`prepack` made when there is one (``amx.rows_linear`` up to
+        ``HEAD_ROWS_LINEAR_MAX`` rows, ``amx.linear`` above; rounded to bfloat16 first, as the others),
+        else the compiled linear for up to ``MAX_SMALL_ROWS`` rows, else oneDNN's packed copy."""
         quantized = self.model.quantized_lm_head
         if quantized is not None:
             return quantized_matmul(hidden, quantized, out_dtype=torch.float32)
@@ -319,7 +329,7 @@ class CpuStep:
         if tiles is not None and hidden.dtype == tiles.dtype and hidden.shape[0] >= AMX_STACK_MIN_ROWS \
                 and amx.available():
             n, k = weight.shape
-            if hidden.shape[0] <= amx.MAX_ROWS_LINEAR:  # weights streamed once, prefetched
+            if hidden.shape[0] <= HEAD_ROWS_LINEAR_MAX:  # weights streamed once, prefetched
                 return amx.rows_linear(hidden.contiguous(), tiles, n, k).float()
             return amx.linear(hidden.contiguous(), tiles, n, k).float()
         if hidden.device.type == "cpu" and self._dense_head_on_linear(hidden.shape[0], hidden.dtype):

@@ -237,7 +237,7 @@ def test_a_vocabulary_the_tiles_do_not_take_keeps_the_onednn_head(model):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 2, 9, 24, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 9, 32, 33, 64, 65])
 def test_the_lm_head_of_many_rows_runs_on_amx_tiles(head_model, rows, monkeypatch):
     model = head_model
     step = CpuStep(model)
@@ -249,7 +249,7 @@ def test_the_lm_head_of_many_rows_runs_on_amx_tiles(head_model, rows, monkeypatc
         monkeypatch.setattr(amx, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     hidden = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
     got = step.compute_logits(hidden)
-    assert calls == ["rows_linear" if rows <= amx.MAX_ROWS_LINEAR else "linear"]
+    assert calls == ["rows_linear" if rows <= 32 else "linear"]  # cpu_step.HEAD_ROWS_LINEAR_MAX
     weight = model.lm_head_weight
     assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())  # rounded as the others
     assert torch.equal(got, amx.linear(hidden, amx.pack(weight), *weight.shape).float())
