@@ -259,10 +259,11 @@ class Scheduler:
             # A prompt sharing a block already found in flight waits with no lookup of its own: a burst
             # behind one long prefix would otherwise look up every cached block of it for every
             # waiting prompt at every step.
-            wait = bool(pending) and self._shares_pending_block(request, pending)
+            hashes = self.kv_cache_manager.hittable_hashes(request)
+            wait = bool(pending) and self._shares_pending_block(hashes, pending)
             if not wait:
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                in_flight = self._computing_elsewhere(request, num_hit)
+                in_flight = self._computing_elsewhere(hashes, num_hit)
                 if in_flight is not None:
                     pending.add(in_flight)
                     wait = True
@@ -296,19 +297,20 @@ class Scheduler:
             budget.charge(num_new, num_hit)
         self.waiting.extendleft(reversed(deferred))  # back in front, in their order
 
-    def _shares_pending_block(self, request: Request, pending: set[tuple[int, BlockHash]]) -> bool:
-        """Whether ``request``'s prompt has one of the ``pending`` blocks (index, key), found in flight
-        earlier in this step, at a block a lookup could hit. The same chained key at the same index
-        means the same tokens up to it, so its first uncached block is at most that one: it waits as
-        the prompt that found it does (a block of it evicted since then only makes the wait one a
-        lookup would have skipped; waiting is always safe)."""
-        hashes = self.kv_cache_manager.hittable_hashes(request)
+    @staticmethod
+    def _shares_pending_block(hashes: list[BlockHash], pending: set[tuple[int, BlockHash]]) -> bool:
+        """Whether a prompt whose hittable block keys are ``hashes`` (``KVCacheManager.hittable_hashes``)
+        has one of the ``pending`` blocks (index, key), found in flight earlier in this step. The same
+        chained key at the same index means the same tokens up to it, so its first uncached block is at
+        most that one: it waits as the prompt that found it does (a block of it evicted since then only
+        makes the wait one a lookup would have skipped; waiting is always safe)."""
         return any(index < len(hashes) and hashes[index] == key for index, key in pending)
 
-    def _computing_elsewhere(self, request: Request, num_hit: int) -> tuple[int, BlockHash] | None:
-        """Whether the first block of ``request``'s prompt that the prefix cache does not hold (after
-        ``num_hit`` hit tokens) is one a running request is still computing: the same chained hash at
-        the same index (so the same tokens up to it), not yet computed there. The request then waits
+    def _computing_elsewhere(self, hashes: list[BlockHash], num_hit: int) -> tuple[int, BlockHash] | None:
+        """Whether the first block of a waiting prompt that the prefix cache does not hold (after
+        ``num_hit`` hit tokens; ``hashes`` its hittable block keys, ``KVCacheManager.hittable_hashes``)
+        is one a running request is still computing: the same chained hash at the same index (so the
+        same tokens up to it), not yet computed there. The request then waits
         (stays in the queue, later ones may go) and finds that block cached a step or a few later,
         instead of computing the shared prefix a second time beside the first: a burst of prompts
         sharing a new system prompt or document computed it once per prompt otherwise. (vLLM 0.32
@@ -316,7 +318,6 @@ class Scheduler:
         and computes the rest of the prefix again.) The running request is scheduled every step its
         budget allows, or preempted back to the queue, which ends the wait. Returns that block's
         (index, key), or None when the request need not wait."""
-        hashes = self.kv_cache_manager.hittable_hashes(request)
         index = num_hit // self.block_size
         if index >= len(hashes):  # no lookup could hit it
             return None
