@@ -82,7 +82,8 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--load", type=int, default=0, help="busy-loop processes running beside the engine")
-    p.add_argument("--settings", default="default,spin1000,spin10000,passive", help=f"of {','.join(SETTINGS)}")
+    p.add_argument("--settings", default="default,spin1000,spin10000,passive",
+                   help=f"of {','.join(SETTINGS)}")
     p.add_argument("--out", type=Path, default=Path("results/omp_spin.json"))
     args = p.parse_args()
     names = args.settings.split(",")

@@ -157,6 +157,8 @@ def profile(llm: LLM, args, reps: int) -> dict:
         sample_timed = timers.wrap(sample, "sampling")
         global_sample = globals()["sample"]
         globals()["sample"] = sample_timed
+        phases = torch.zeros(config.num_hidden_layers, len(cpu_kernels.STACK_PHASES), dtype=torch.int64)
+        cpu_kernels.stack_timing(phases)  # the stack's first thread's time per phase (none off the stack)
         try:
             walls = []
             for _ in range(reps):
@@ -164,9 +166,12 @@ def profile(llm: LLM, args, reps: int) -> dict:
                 run_step(cs, args, params)
                 walls.append(time.perf_counter() - t0)
         finally:
+            cpu_kernels.stack_timing(None)
             globals()["sample"] = global_sample
             undo(monkey)
     wall = sum(walls)
+    stack = {name: round(float(phases[:, i].sum()) / reps / 1e6, 3)
+             for i, name in enumerate(cpu_kernels.STACK_PHASES)}
     parts = {
         k: {"ms": round(1e3 * v / reps, 3), "share": round(v / wall, 4), "calls": timers.calls[k] // reps}
         for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1])
@@ -176,7 +181,7 @@ def profile(llm: LLM, args, reps: int) -> dict:
                                                       "share": round(rest / wall, 4), "calls": 0}
     return {"wall_ms_mean": round(1e3 * wall / reps, 2),
             "wall_ms_median": round(1e3 * statistics.median(walls), 2),
-            "wall_ms_min": round(1e3 * min(walls), 2), "parts": parts}
+            "wall_ms_min": round(1e3 * min(walls), 2), "parts": parts, "stack_phases_ms": stack}
 
 
 def _old_library(path: str) -> ctypes.CDLL:
@@ -258,8 +263,9 @@ def main() -> None:
         if a.mode == "profile":
             r = profile(llm, step, a.reps)
             top = ", ".join(f"{k} {v['ms']}" for k, v in list(r["parts"].items())[:6])
-            print(f"b={b} ({rows} rows): {r['wall_ms_median']} ms median ({r['wall_ms_min']} min); {top}",
-                  flush=True)
+            phases = ", ".join(f"{k} {v}" for k, v in r["stack_phases_ms"].items())
+            print(f"b={b} ({rows} rows): {r['wall_ms_median']} ms median ({r['wall_ms_min']} min); {top}; "
+                  f"stack phases (ms): {phases}", flush=True)
         else:
             r = ab(llm, step, a.reps, set_variant)
             print(f"b={b} ({rows} rows): A {r['A']['median_ms']} ms median ({r['A']['min_ms']} min), "

@@ -823,7 +823,8 @@ def stack_timing(buf: torch.Tensor | None) -> None:
     beyond ``buf``'s rows are not timed), in the
     order of :data:`STACK_PHASES` (norm + QKV, attention with its RoPE and KV write, O,
     norm + gate|up, SiLU + down), each up to the end of its closing barrier (waiting for the other
-    thread counts). Steps on the AMX path (``DecodeStack`` with AMX copies, bfloat16) add nothing.
+    thread counts). On the tile path (``DecodeStack.run`` with ``tiles``) RoPE and the KV write are a
+    pass of their own after QKV and count in its phase.
 
     Args:
         buf: ``(layers, len(STACK_PHASES))`` contiguous int64 CPU tensor, zeroed by the caller and

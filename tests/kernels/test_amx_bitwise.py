@@ -200,3 +200,22 @@ def test_strided_x_gives_the_contiguous_bits(case, threads: int) -> None:
     finally:
         torch.set_num_threads(old)
     assert _digest(y) == DIGESTS[(name, m)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 45, 48, 49, 64])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (80, 96), (48, 64)])
+def test_the_team_product_equals_the_tile_gemm_bitwise(n: int, k: int, m: int, threads: int) -> None:
+    """amx.rows_linear runs the decode stack's team product (segserve_amx_team.c): from 17 rows it takes
+    two column blocks at a time (2 x 2 register blocks, a last odd block alone: N = 80 and 48 have 5 and
+    3 blocks), in two passes above 32 rows. Same bits as amx.linear, whose digests are pinned above."""
+    x = _pattern(m, k, 131, 71, 251, 1 / 64)
+    w = _pattern(n, k, 37, 113, 241, 1 / 2048)
+    packed = amx.pack(w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = amx.rows_linear(x, packed, n, k)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(got.view(torch.int16), amx.linear(x, packed, n, k).view(torch.int16))

@@ -120,6 +120,19 @@ def _step(model, caches, n: int, pad: int, monkeypatch, kernels: bool = True):
     return h, caches, routes
 
 
+def test_stack_timing_fills_every_phase_on_the_tile_path(backend, model, prefilled, monkeypatch):
+    buf = torch.zeros(model.config.num_hidden_layers, len(cpu_kernels.STACK_PHASES), dtype=torch.int64)
+    cpu_kernels.stack_timing(buf)
+    try:
+        got, _, routes = _step(model, prefilled, 33, 3, monkeypatch)
+    finally:
+        cpu_kernels.stack_timing(None)
+    assert routes == [f"stack-{backend}"]
+    assert (buf > 0).all() and (buf < 10**9).all(), buf  # nanoseconds per phase of a tiny step
+    untimed, _, _ = _step(model, prefilled, 33, 3, monkeypatch)
+    assert torch.equal(got, untimed)
+
+
 @pytest.mark.parametrize(
     ("n", "pad"), [(1, 0), (2, 0), (5, 3), (8, 0), (9, 0), (16, 0), (24, 8), (33, 3), (64, 0)]
 )

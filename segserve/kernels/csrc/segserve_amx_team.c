@@ -10,12 +10,17 @@
  * every row tile of the step against each B tile as it arrives (weights read once per step, whatever
  * the row count).
  *
- * Per 16-column block: up to 4 row tiles of 16 rows (a last partial one is the 16 rows ending at row M,
- * overlapping the previous one, whose rows it does not write again; M < 16 configures tiles of M rows),
- * float32 accumulators in tiles 0-3, the B tile in 4 or 5 (alternating by K step, so a load does not
- * wait for the products reading the previous one: tiles are not renamed), the A tiles in 6 and 7 in
- * turn, reloaded from x (in L1/L2) per K step. Then the accumulators go through a float32 buffer to the
- * epilogue.
+ * block_products, per 16-column block: every row tile of 16 rows (up to 4; a last partial one is the 16
+ * rows ending at row M, overlapping the previous one, whose rows it does not write again; M < 16
+ * configures tiles of M rows), float32 accumulators in tiles 0-3, the B tile in 4 or 5 (alternating by K
+ * step, so a load does not wait for the products reading the previous one: tiles are not renamed), the A
+ * tiles in 6 and 7 in turn, reloaded from x (in L1/L2) per K step. It runs steps of up to 16 rows (and a
+ * last odd block). From 17 rows (PAIR_MIN_ROW_TILES) pair_products takes two column blocks at a time
+ * instead: 2 x 2 register blocks, each loaded tile feeding two products, in two passes above 32 rows, the
+ * second reading the two blocks from cache. Per K step of 64 rows that is 8 products and 8 tile loads,
+ * against 4 products and 5 loads a block in block_products, two of which wait for the product still
+ * reading their tile (a 64-row step's four projections: 19.9 -> 17.2 ms, see docs/perf.md). Then the
+ * accumulators go through a float32 buffer to the epilogue.
  *
  * Numerics: the same as sg_amx_linear, bit for bit: tile products over the K steps in order from zero,
  * the bias added in float32, then y = bf16(acc); the residual y = bf16(y + bf16(acc)); the SiLU gate
@@ -33,6 +38,12 @@
 #define TEAM_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
 #define TILE_ELEMS 512 /* bf16 values in one packed B tile (16 K pairs x 16 columns) */
 #define MAX_ROW_TILES 4
+/* pair_products' prefetch of the weight stream: into L2 only (the tile load brings each line to L1 when it
+ * is used; T0 left the x rows of the row tiles less room there: 64 rows, 30 layers of the four
+ * projections 13.1-13.7 -> 12.5 ms in a /tmp harness). */
+#ifndef PAIR_HINT
+#define PAIR_HINT _MM_HINT_T1
+#endif
 #ifndef TEAM_PREFETCH_TILES
 #define TEAM_PREFETCH_TILES 8 /* how far ahead of the B tile being loaded the prefetch runs, in tiles */
 #endif
@@ -149,21 +160,115 @@ static inline void epilogue_row(const sg_team_gemm *g, const float *c, const flo
     sg_bf16_store16(y, v);
 }
 
+/* Accumulators of two 16-column blocks (packed tiles b0, b1) for row tiles at ma and mb (MT 2) or ma
+ * alone (MT 1): a 2 x 2 register block, tiles 0 / 1 = (ma, b0 / b1), 2 / 3 = (mb, b0 / b1), A tiles 6
+ * and 7, B tiles 4 and 5. Each loaded tile feeds two products and is not reloaded before the next K
+ * step, whereas block_products' third and fourth row tiles reload A tile 6 / 7 one product after its
+ * last use, and that load waits for the product still reading the tile (tiles are not renamed): at 64
+ * rows that doubled the time per B tile. Stored to c00 / c01 (ma) and c10 / c11 (mb). */
+TEAM_TARGET static inline __attribute__((always_inline)) void pair_products(
+    const uint16_t *x, int64_t ldx, int64_t ma, int64_t mb, const int MT, const uint16_t *b0, const uint16_t *b1,
+    int64_t KS, float *c00, float *c01, float *c10, float *c11) {
+    const int64_t ldxb = 2 * ldx, pf = TEAM_PREFETCH_TILES * TILE_ELEMS;
+    const uint16_t *xa = x + ma * ldx, *xb = x + mb * ldx;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (MT > 1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t ks = 0; ks < KS; ks++) {
+        const uint16_t *p0 = b0 + ks * TILE_ELEMS, *p1 = b1 + ks * TILE_ELEMS;
+        for (int l = 0; l < 16; l++) {
+            _mm_prefetch((const char *)(p0 + pf) + 64 * l, PAIR_HINT);
+            _mm_prefetch((const char *)(p1 + pf) + 64 * l, PAIR_HINT);
+        }
+        _tile_loadd(4, p0, 64);
+        _tile_loadd(6, xa + ks * 32, ldxb);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_loadd(5, p1, 64);
+        _tile_dpbf16ps(1, 6, 5);
+        if (MT > 1) {
+            _tile_loadd(7, xb + ks * 32, ldxb);
+            _tile_dpbf16ps(2, 7, 4);
+            _tile_dpbf16ps(3, 7, 5);
+        }
+    }
+    _tile_stored(0, c00, 64);
+    _tile_stored(1, c01, 64);
+    if (MT > 1) {
+        _tile_stored(2, c10, 64);
+        _tile_stored(3, c11, 64);
+    }
+}
+
+/* Row tiles 0..mt-1 (3 or 4) against blocks b0 and b1 as two passes of pair_products (the second reads
+ * b0 and b1 from cache): c[i] the b0 block of row tile i, cu[i] the b1 block. */
+TEAM_TARGET static void pair_block(const uint16_t *x, int64_t ldx, const int64_t m0[MAX_ROW_TILES], int mt,
+                                   const uint16_t *b0, const uint16_t *b1, int64_t KS, float c[MAX_ROW_TILES][256],
+                                   float cu[MAX_ROW_TILES][256]) {
+    if (mt == 1) {
+        pair_products(x, ldx, m0[0], m0[0], 1, b0, b1, KS, c[0], cu[0], c[0], cu[0]);
+        return;
+    }
+    pair_products(x, ldx, m0[0], m0[1], 2, b0, b1, KS, c[0], cu[0], c[1], cu[1]);
+    if (mt > 3)
+        pair_products(x, ldx, m0[2], m0[3], 2, b0, b1, KS, c[2], cu[2], c[3], cu[3]);
+    else if (mt == 3)
+        pair_products(x, ldx, m0[2], m0[2], 1, b0, b1, KS, c[2], cu[2], c[2], cu[2]);
+}
+
+/* Row tiles from which sg_team_gemm_run takes two column blocks at a time (pair_block): from 17 rows. At
+ * 1-16 rows the two forms measured the same, so batch-1 decode keeps block_products. */
+#ifndef PAIR_MIN_ROW_TILES
+#define PAIR_MIN_ROW_TILES 2
+#endif
+
 TEAM_TARGET void sg_team_gemm_run(const sg_team_gemm *g) {
-    const int64_t M = g->M, KS = g->K / 32, ldx = g->ldx;
+    const int64_t M = g->M, KS = g->K / 32, ldx = g->ldx, blocks = g->N / 16;
     const int silu = g->epilogue == TEAM_EPI_SILU_MUL;
-    const int64_t units = silu ? g->N / 32 : g->N / 16, half = g->N / 32;
+    const int64_t half = g->N / 32;
     const int mt = (int)((M + 15) / 16), rows = M < 16 ? (int)M : 16;
     int64_t m0[MAX_ROW_TILES] = {0, 0, 0, 0};
     int skip[MAX_ROW_TILES] = {0, 0, 0, 0};
     for (int i = 0; i < mt; i++) m0[i] = sg_row_tile_start(i, M, &skip[i]);
     float c[MAX_ROW_TILES][256] __attribute__((aligned(64)));
     float cu[MAX_ROW_TILES][256] __attribute__((aligned(64)));
+    const size_t bstride = (size_t)KS * TILE_ELEMS;
+    if (mt >= PAIR_MIN_ROW_TILES) {
+        /* A unit is two column blocks: the gate block and its up block for the SiLU gate, else two
+         * neighbours (a last odd block alone, by block()). Contiguous shares as below. */
+        const int64_t units = silu ? half : (blocks + 1) / 2;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            if (silu) {
+                pair_block(g->x, ldx, m0, mt, g->packed + u * bstride, g->packed + (half + u) * bstride, KS, c, cu);
+                const int64_t col = 16 * u, bup = 16 * (half + u);
+                for (int i = 0; i < mt; i++)
+                    for (int r = skip[i]; r < rows; r++) epilogue_row(g, c[i], cu[i], r, m0[i] + r, col, col, bup);
+                continue;
+            }
+            const int64_t col = 32 * u;
+            const int two = 2 * u + 1 < blocks;
+            if (two)
+                pair_block(g->x, ldx, m0, mt, g->packed + 2 * u * bstride, g->packed + (2 * u + 1) * bstride, KS, c,
+                           cu);
+            else
+                block(g->x, ldx, m0, mt, g->packed + 2 * u * bstride, KS, c);
+            for (int i = 0; i < mt; i++)
+                for (int r = skip[i]; r < rows; r++) {
+                    epilogue_row(g, c[i], NULL, r, m0[i] + r, col, col, col);
+                    if (two) epilogue_row(g, cu[i], NULL, r, m0[i] + r, col + 16, col + 16, col + 16);
+                }
+        }
+        return;
+    }
+    const int64_t units = silu ? half : blocks;
     /* Contiguous shares (static): each thread streams one run of the packed weight. */
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
-        block(g->x, ldx, m0, mt, g->packed + u * KS * TILE_ELEMS, KS, c);
-        if (silu) block(g->x, ldx, m0, mt, g->packed + (half + u) * KS * TILE_ELEMS, KS, cu);
+        block(g->x, ldx, m0, mt, g->packed + u * bstride, KS, c);
+        if (silu) block(g->x, ldx, m0, mt, g->packed + (half + u) * bstride, KS, cu);
         const int64_t col = 16 * u, bup = 16 * (half + u);
         for (int i = 0; i < mt; i++)
             for (int r = skip[i]; r < rows; r++) epilogue_row(g, c[i], cu[i], r, m0[i] + r, col, col, bup);

@@ -1068,6 +1068,14 @@ typedef struct tile_step {
     uint16_t *act;  /* (M, I) SiLU-gated rows */
 } tile_step;
 
+/* Adds the time since *t_last to tl[phase] and restarts the clock (sg_stack_timing; tl NULL: off). */
+static inline void stamp_phase(int64_t *tl, int phase, int64_t *t_last) {
+    if (!tl) return;
+    const int64_t t_now = now_ns();
+    tl[phase] += t_now - *t_last;
+    *t_last = t_now;
+}
+
 /* Whether a's step can run layer_tiles: bfloat16, AMX granted for TILES_AMX, every layer's projections
  * dense with their tile copies given, and every product a shape sg_team_gemm_run takes (M <= 64 among
  * them; sg_team_gemm_run_bf16 takes the same). */
@@ -1107,7 +1115,8 @@ static void tile_product(const sg_decode_stack_args *a, const sg_team_gemm *g) {
  * epilogue, h += down. The norms are shared rows (one barrier each) rather than every thread's own copy as
  * in the per-row path: at 64 rows a copy per thread would cost more than the barrier. 9 barriers a layer,
  * the stack's own (team_sync) but for those inside the AMX product. */
-static void layer_tiles(const tile_step *s, const sg_layer *ly, const sg_decode_attention_args *la, float *scores) {
+static void layer_tiles(const tile_step *s, const sg_layer *ly, const sg_decode_attention_args *la, float *scores,
+                        int64_t *tl, int64_t *t_last) {
     const sg_decode_stack_args *a = s->a;
     const int64_t M = a->M, H = a->H, I = a->I, n = a->n, nq = a->Hq * a->D, width = a->Hkv * a->D;
     const int64_t nqkv = nq + 2 * width, num_slots = a->num_blocks * a->block_size;
@@ -1130,19 +1139,24 @@ static void layer_tiles(const tile_step *s, const sg_layer *ly, const sg_decode_
         }
     }
     team_sync();
+    stamp_phase(tl, PH_QKV, t_last);
     attention_team(la, s->plan, scores, NULL, NULL);
+    stamp_phase(tl, PH_ATTENTION, t_last);
     g = (sg_team_gemm){.M = M, .N = H, .K = nq, .x = s->attn, .ldx = nq, .packed = ly->o_tiles, .y = h, .ldy = H,
                        .epilogue = TEAM_EPI_RESIDUAL};
     tile_product(a, &g);
+    stamp_phase(tl, PH_O, t_last);
 #pragma omp for schedule(static) nowait
     for (int64_t m = 0; m < M; m++) prologue_row(DT_BF16, PRO_RMSNORM, H, h, H, m, ly->ln2, a->eps, s->xn);
     team_sync();
     g = (sg_team_gemm){.M = M, .N = 2 * I, .K = H, .x = s->xn, .ldx = H, .packed = ly->gate_up_tiles,
                        .y = s->act, .ldy = I, .epilogue = TEAM_EPI_SILU_MUL};
     tile_product(a, &g);
+    stamp_phase(tl, PH_GATE_UP, t_last);
     g = (sg_team_gemm){.M = M, .N = H, .K = I, .x = s->act, .ldx = I, .packed = ly->down_tiles, .y = h, .ldy = H,
                        .epilogue = TEAM_EPI_RESIDUAL};
     tile_product(a, &g);
+    stamp_phase(tl, PH_DOWN, t_last);
 }
 
 /* Every layer of a decode-only step in one call, so a batch-1 step pays Python's per-op cost once
@@ -1257,12 +1271,6 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
         {
             team_sync_enter(&bar);
             int64_t *tl = NULL, t_last = 0;
-#define STAMP(phase)                                                                                       \
-    if (tl) {                                                                                              \
-        int64_t t_now = now_ns();                                                                          \
-        tl[phase] += t_now - t_last;                                                                       \
-        t_last = t_now;                                                                                    \
-    }
             void *buf = malloc(bufbytes);
             float *scores = (float *)malloc(sizeof(float) * nscores);
             void *own = own_merge ? calloc((size_t)M * nq, es) : NULL; /* padding rows stay zero */
@@ -1293,28 +1301,27 @@ int sg_decode_stack(const sg_decode_stack_args *a) {
                 } else {
                     tl = NULL;
                 }
-                if (a->tiles) { /* not timed: its phases are not the per-row path's */
-                    layer_tiles(&st, ly, &la, scores);
+                if (a->tiles) {
+                    layer_tiles(&st, ly, &la, scores, tl, &t_last);
                     continue;
                 }
                 int64_t ld;
                 const void *xin = linear_input(&qa, buf, &ld);
                 linear_tiles(&qa, xin, ld, i8);
-                STAMP(PH_QKV)
+                stamp_phase(tl, PH_QKV, &t_last);
                 /* RoPE and the KV write happen inside the attention items (fused_query). */
                 attention_team(&la, &plan, scores, &fz, own);
-                STAMP(PH_ATTENTION)
+                stamp_phase(tl, PH_ATTENTION, &t_last);
                 xin = linear_input(&oa, buf, &ld);
                 linear_tiles(&oa, xin, ld, i8);
-                STAMP(PH_O)
+                stamp_phase(tl, PH_O, &t_last);
                 xin = linear_input(&ga, buf, &ld);
                 linear_tiles(&ga, xin, ld, i8);
-                STAMP(PH_GATE_UP)
+                stamp_phase(tl, PH_GATE_UP, &t_last);
                 xin = linear_input(&da, buf, &ld);
                 linear_tiles(&da, xin, ld, i8);
-                STAMP(PH_DOWN)
+                stamp_phase(tl, PH_DOWN, &t_last);
             }
-#undef STAMP
             if (a->lm_w && !failed) {
 #pragma omp for schedule(static) nowait
                 for (int64_t m = 0; m < M; m++)
