@@ -24,7 +24,7 @@ _I = ctypes.c_int32
 _L = ctypes.c_int64
 
 _EPILOGUES = {None: 0, "residual": 1, "silu_mul": 2}
-_ERRORS = {-1: "unsupported shape", -2: "out of memory (the per-thread stage buffer)",
+_ERRORS = {-1: "unsupported shape",
            -5: "argument struct of another size (the library and amx.py disagree on its layout)",
            -6: "AMX not available in this process"}
 # Flops of one round of sg_amx_peak's loop: 4 tile products of 16 x 16 x 32 multiply-adds.

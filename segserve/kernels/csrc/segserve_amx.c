@@ -27,23 +27,25 @@
  * (tile loads with its stride); a last partial row tile is the 16 rows ending at row M (overlapping the
  * previous tile; only its new rows are written) and M < 16 configures tiles of M rows.
  *
- * Stores (tile -> float32 -> epilogue -> rows), two ways. The SiLU-gated gate|up projection queues
- * them: the next microkernel's K loop stores a few rows per step, so the heavy epilogue (exp and divide
- * per value) overlaps the tile products (two accumulator buffers in turn; a thread's last microkernel
- * drains its own). Every other epilogue is staged: the item's tiles go to a per-thread float32 stage
- * and one pass after the item's products stores its rows. Interleaving those light stores cost more
- * than they do: at M = 4,096, one thread, best of 40-300 calls (2026-12-02, /tmp harness alternating
- * builds), staged vs queued: qkv 576 -> 701, o 657 -> 753, down 718 -> 807 GFLOP/s; gate|up kept
- * queued (staged it lost ~10 %, its epilogue being ~80 % of the tile time when not overlapped).
+ * Stores (tile -> float32 -> epilogue -> rows) are queued: the next microkernel's K loop stores a few
+ * rows per step, so the epilogue (above all the SiLU gate's exp and divide per value) overlaps the tile
+ * products (two accumulator buffers in turn; a thread's last microkernel drains its own). Storing each
+ * microkernel's rows right after it instead: 1.27x the time of the four projections at M = 4,096, 1.11x
+ * at 512 (2026-12-05, /tmp harness, builds alternating in one process). Until 2026-12-05 every epilogue
+ * but the SiLU gate was staged (an item's tiles to a per-thread float32 buffer, stored by one pass after
+ * the item), measured ahead on 2026-12-02 (one thread, M = 4,096: qkv 576 -> 701, o 657 -> 753, down
+ * 718 -> 807 GFLOP/s); after the prefetches below it was behind: queued, four projections, M = 4,096,
+ * 9 rounds alternating, one thread 24.86 -> 24.25 ms (qkv -5 %, o -5 %, down -9 %), two threads 12.35
+ * -> 11.83 ms; M = 256 / 512 / 1,088 -6 / -5 / -3 %. Same bits.
  *
  * Prefetch (2026-12-02, round 4): at prefill sizes (M = 4,096: x 4.7 MB, y up to 12.6 MB) neither x nor
  * y stays in L2 between items, so the first panel of an item waited on x's rows and the stores on y's
  * lines. The 2 x 2 kernel's K loop therefore issues a few prefetches per step: the rows of x this
- * thread will likely take next (the row chunk ``threads`` chunks ahead) into L2; for staged stores the
- * item's own rows of y for writing (the residual epilogue reads them too); for the queued SiLU stores
- * each microkernel's 32 output rows, drained by the next one. One thread, M = 4,096, paired median over
- * 80 rounds against the kernel before round 3 (queued stores, static split, no prefetch), load ~5:
- * gate|up 1.11x, qkv 1.37x, down 1.15x, o 1.09x; without the prefetches (staged + dynamic alone) ~1.0x.
+ * thread will likely take next (the row chunk ``threads`` chunks ahead) into L2, and each microkernel's
+ * 32 output rows, stored by the next one. One thread, M = 4,096, paired median over 80 rounds against
+ * the kernel before round 3 (queued stores, static split, no prefetch), load ~5: gate|up 1.11x, qkv
+ * 1.37x, down 1.15x, o 1.09x (the other epilogues then staged; without the prefetches ~1.0x). Without
+ * the x prefetch (2026-12-05, queued): 1.06x the time at M = 4,096.
  *
  * Speed (one core, min over many calls; the host has phases where the tile unit runs ~3x slower, so a
  * figure means little without the register-only peak measured beside it, ~2,100-2,200 GFLOP/s when
@@ -73,7 +75,7 @@
 
 #include "segserve_simd.h"
 
-enum { AMX_OK = 0, AMX_ERR_SHAPE = -1, AMX_ERR_NOMEM = -2, AMX_ERR_LAYOUT = -5, AMX_ERR_NO_AMX = -6 };
+enum { AMX_OK = 0, AMX_ERR_SHAPE = -1, AMX_ERR_LAYOUT = -5, AMX_ERR_NO_AMX = -6 };
 enum { AMX_DT_F32 = 0, AMX_DT_BF16 = 1 };
 enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2 };
 
@@ -341,7 +343,7 @@ static inline void stream_step(line_stream *ls, int write) {
 typedef struct tile_dst {
     float *c;
     int64_t ldt, ldb, ldr;
-    const char *out0, *out1; /* queued: where rows 0-15 of each row tile will be stored (else NULL) */
+    const char *out0, *out1; /* where rows 0-15 of each row tile will be stored (2 x 2 kernel; else NULL) */
     int64_t ldo;             /* their row stride, bytes */
 } tile_dst;
 
@@ -350,7 +352,7 @@ typedef struct tile_dst {
  * microkernel's rows, never buffer c) a few rows per K step, then stores to c[0..3]. */
 AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, int64_t ldxb,
                                         const uint16_t *const b[4], int nr, int64_t KS, const tile_dst *d,
-                                        const store_plan *p, store_queue *q, line_stream ls[2]) {
+                                        const store_plan *p, store_queue *q, line_stream *ls) {
     const int per = (int)((queue_rows(q) + KS - 1) / KS), pfper = (int)((32 + KS - 1) / KS);
     _tile_zero(0);
     _tile_zero(1);
@@ -360,8 +362,7 @@ AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, 
         if (d->out0)
             for (int i = 0, r = (int)ks * pfper; i < pfper && r < 32; i++, r++)
                 __builtin_prefetch(r < 16 ? d->out0 + r * d->ldo : d->out1 + (r - 16) * d->ldo, 1, 3);
-        stream_step(&ls[0], 0);
-        stream_step(&ls[1], 1);
+        stream_step(ls, 0);
         /* x's tiles with the no-reuse hint (TILELOADDT1): each is read once per panel, while the
          * panel's B tiles are read again by every row pair of the item, and plain loads of x pushed
          * those out of L1. 2026-12-04, engine steps of 1,088 rows (profile_prefill.py --budgets 1088,
@@ -442,27 +443,21 @@ typedef struct {
     int32_t epilogue;      /* EPI_NONE, EPI_RESIDUAL (y = bf16(y + bf16(acc))), EPI_SILU_MUL (gate | up) */
 } sg_amx_linear_args;
 
-/* A thread's state across its microkernels (internal, tagged like tile_config). Queued stores (the
- * SiLU-gated projection): two accumulator buffers used in turn, so a kernel never overwrites the rows
- * still queued, and the queue. Staged stores (every other epilogue): ``stage`` holds the float32 results
- * of one work item (a chunk of rows x a chunk of column units), row stride ``lds``, stored by one pass
- * after the item's tile products. */
+/* A thread's state across its microkernels (internal, tagged like tile_config): two accumulator buffers
+ * used in turn, so a kernel never overwrites the rows still queued, and the queue of stores. */
 typedef struct gemm_state {
     float c[2][4][256] __attribute__((aligned(64)));
     int flip;
     store_queue q;
-    float *stage;
-    int64_t lds;
-    int64_t ahead;     /* row tiles between this thread's consecutive items (threads x the row chunk) */
-    line_stream ls[2]; /* prefetches: x of the next item, y of this one (staged stores) */
+    int64_t ahead; /* row tiles between this thread's consecutive items (threads x the row chunk) */
+    line_stream ls; /* prefetches of x for the next item */
 } gemm_state;
 
-/* Column units [u, u + units) of the item whose first unit is ``c0``, over its row tiles [t0, t1): the
- * microkernel per row tile (pair). ``pair``: take row tiles two at a time (2 x 2 kernel) where two are
- * left. Staged: accumulators go to the stage; queued: to the next buffer, their rows queued for the next
- * microkernel to drain. */
-AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, int64_t u, int units, int64_t c0,
-                             int64_t t0, int64_t t1, int pair, gemm_state *st) {
+/* Column units [u, u + units) over row tiles [t0, t1): the microkernel per row tile (pair). ``pair``: take
+ * row tiles two at a time (2 x 2 kernel) where two are left. Accumulators go to the next buffer, their
+ * rows queued for the next microkernel to drain. */
+AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, int64_t u, int units, int64_t t0,
+                             int64_t t1, int pair, gemm_state *st) {
     const int64_t M = a->M, KS = a->K / 32, ldxb = a->ldx * 2;
     const int silu = a->epilogue == EPI_SILU_MUL;
     const int64_t half = a->N / 32; /* EPI_SILU_MUL: column blocks of the gate half */
@@ -477,21 +472,16 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
         int skip0, skip1;
         int64_t m0 = sg_row_tile_start(t, M, &skip0);
         float (*cb)[256] = st->c[st->flip];
-        tile_dst d = {cb[0], 512, 256, 16, NULL, NULL, 0}; /* queued: cb[0], cb[1] row tile m0; cb[2], cb[3] m1 */
-        if (st->stage)
-            d = (tile_dst){st->stage + (t - t0) * 16 * st->lds + 16 * (u - c0), 16 * st->lds, 16, st->lds, NULL, NULL, 0};
-        else
-            st->flip ^= 1;
+        tile_dst d = {cb[0], 512, 256, 16, NULL, NULL, 0}; /* cb[0], cb[1] row tile m0; cb[2], cb[3] m1 */
+        st->flip ^= 1;
         if (pair && t + 1 < t1) {
             int64_t m1 = sg_row_tile_start(t + 1, M, &skip1);
-            if (!st->stage) {
-                const int64_t esz = a->ydt == AMX_DT_F32 ? 4 : 2;
-                d.out0 = (const char *)a->y + (m0 * a->ldy + 16 * u) * esz;
-                d.out1 = (const char *)a->y + (m1 * a->ldy + 16 * u) * esz;
-                d.ldo = a->ldy * esz;
-            }
-            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, &d, p, q, st->ls);
-            for (int j = 0; j < units && !st->stage; j++) {
+            const int64_t esz = a->ydt == AMX_DT_F32 ? 4 : 2;
+            d.out0 = (const char *)a->y + (m0 * a->ldy + 16 * u) * esz;
+            d.out1 = (const char *)a->y + (m1 * a->ldy + 16 * u) * esz;
+            d.ldo = a->ldy * esz;
+            kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, &d, p, q, &st->ls);
+            for (int j = 0; j < units; j++) {
                 int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
                 queue_push(q, cb[j], silu ? cb[1] : NULL, skip0, 16, m0, col, col, bu);
                 queue_push(q, cb[2 + j], silu ? cb[3] : NULL, skip1, 16, m1, col, col, bu);
@@ -499,27 +489,11 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
             t += 2;
         } else {
             kernel_1x(a->x + m0 * a->ldx, ldxb, b, nr, KS, &d, p, q);
-            for (int j = 0; j < units && !st->stage; j++) {
+            for (int j = 0; j < units; j++) {
                 int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
                 queue_push(q, cb[j], silu ? cb[units + j] : NULL, skip0, rows, m0, col, col, bu);
             }
             t += 1;
-        }
-    }
-}
-
-/* Staged: the stage's results of row tiles [t0, t1) and column units [c0, c1) to y, row by row through
- * store_row (the queued path's epilogue, so both round alike). */
-static void store_stage(const sg_amx_linear_args *a, const store_plan *p, const gemm_state *st, int64_t t0,
-                        int64_t t1, int64_t c0, int64_t c1) {
-    const int rows = a->M < 16 ? (int)a->M : 16;
-    for (int64_t t = t0; t < t1; t++) {
-        int skip;
-        const int64_t m0 = sg_row_tile_start(t, a->M, &skip);
-        for (int r = skip; r < rows; r++) {
-            const float *row = st->stage + ((t - t0) * 16 + r) * st->lds;
-            for (int64_t u = c0; u < c1; u++)
-                store_row(p, row + 16 * (u - c0), NULL, 0, m0 + r, 16 * u, 16 * u, 0);
         }
     }
 }
@@ -532,37 +506,15 @@ AMX_TARGET static void gemm_item(const sg_amx_linear_args *a, const store_plan *
     const int silu = a->epilogue == EPI_SILU_MUL, pair = t1 - t0 >= 2;
     const int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
     /* Prefetches spread over the item's K steps: the rows of x this thread likely takes next (items go
-     * column chunk first) into L2, and for staged stores the item's own rows of y (read by the residual
-     * epilogue, written by all), so that neither the next item's first panel nor the store pass waits
-     * on memory. */
+     * column chunk first) into L2, so that the next item's first panel does not wait on memory. */
     const int64_t steps = (c1 - c0 + per - 1) / per * ((t1 - t0) / 2) * (a->K / 32);
     const int64_t r0 = 16 * (t0 + st->ahead), r1 = 16 * (t1 + st->ahead) < a->M ? 16 * (t1 + st->ahead) : a->M;
-    stream_start(&st->ls[0], r1 > r0 ? a->x + r0 * a->ldx : a->x, a->ldx * 2, a->K * 2, r1 - r0, steps);
-    const int64_t esz = a->ydt == AMX_DT_F32 ? 4 : 2, y0 = 16 * t0, y1 = 16 * t1 < a->M ? 16 * t1 : a->M;
-    stream_start(&st->ls[1], (const char *)a->y + (y0 * a->ldy + 16 * c0) * esz, a->ldy * esz,
-                 (c1 - c0) * 16 * esz, st->stage ? y1 - y0 : 0, steps);
-    for (int64_t u = c0; u < c1; u += per)
-        panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), c0, t0, t1, pair, st);
-    if (st->stage) store_stage(a, p, st, t0, t1, c0, c1);
+    stream_start(&st->ls, r1 > r0 ? a->x + r0 * a->ldx : a->x, a->ldx * 2, a->K * 2, r1 - r0, steps);
+    for (int64_t u = c0; u < c1; u += per) panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), t0, t1, pair, st);
 }
 
-/* A float32 buffer of at least ``n`` values for this thread, kept between calls (OpenMP's threads
- * persist, and a fresh ~350 KiB buffer per call would cost its page faults every time); NULL when
- * memory is short. */
-static float *thread_stage(int64_t n) {
-    static __thread float *buf;
-    static __thread int64_t cap;
-    if (n > cap) {
-        free(buf);
-        cap = (n + 1023) / 1024 * 1024;
-        buf = (float *)aligned_alloc(64, (size_t)cap * sizeof(float));
-        if (!buf) cap = 0;
-    }
-    return buf;
-}
-
-/* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE,
- * ERR_NOMEM (no stage buffer), or ERR_NO_AMX where sg_amx_granted() is 0. */
+/* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE, or
+ * ERR_NO_AMX where sg_amx_granted() is 0. */
 AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
     if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
     if (!sg_amx_granted()) return AMX_ERR_NO_AMX;
@@ -600,32 +552,24 @@ AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
     col_chunks = (units + cw - 1) / cw;
     const int64_t items = col_chunks * row_chunks;
     if (threads > items) threads = (int)items;
-    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         gemm_state st;
         st.flip = 0;
         st.q.n = st.q.at = st.q.row = 0;
-        st.lds = cw * 16;
         st.ahead = mc * omp_get_num_threads();
-        st.ls[0].rows = st.ls[1].rows = 0;
-        st.stage = silu ? NULL : thread_stage(mc * 16 * st.lds);
-        if (!silu && !st.stage) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        st.ls.rows = 0;
         configure_tiles(rows);
         /* Column chunk major: threads share a chunk of the weight, each with its own chunk of rows. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            if (!silu && !st.stage) continue;
             const int64_t c0 = it / row_chunks * cw, t0 = it % row_chunks * mc;
             gemm_item(a, &p, c0, c0 + cw < units ? c0 + cw : units, t0, t0 + mc < MT ? t0 + mc : MT, &st);
         }
         queue_drain(&p, &st.q, 1 << 30); /* the last queued microkernel's rows */
         _tile_release();
     }
-    return failed ? AMX_ERR_NOMEM : AMX_OK;
+    return AMX_OK;
 }
 
 /* ---- peak ------------------------------------------------------------------------------------- */
