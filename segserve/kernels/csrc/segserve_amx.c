@@ -285,18 +285,39 @@ static inline int queue_rows(const store_queue *q) {
     return n;
 }
 
+/* Rows [r0, r1) of job j through store_row, with the plan's branches decided once for the run of rows
+ * (a loop per common case, the plan a constant in each). Against store_row's tests per row: four
+ * projections at M = 4,096, builds alternating in one process (2026-12-05), qkv and o 8-10 % less time,
+ * gate|up and down (fewer rows per K step) unchanged; 2-3 % over the four, one or two threads. */
+static inline __attribute__((always_inline)) void store_rows(const store_plan *p, const store_job *j, int r0, int r1) {
+#define STORE_ROWS_AS(EPI)                                                                                  \
+    do {                                                                                                    \
+        const store_plan fixed = {EPI, AMX_DT_BF16, p->ldy, p->y, NULL};                                    \
+        for (int r = r0; r < r1; r++) store_row(&fixed, j->c, j->up, r, j->m0, j->col, j->bcol, j->bcol_up); \
+        return;                                                                                             \
+    } while (0)
+    if (!p->bias && p->ydt == AMX_DT_BF16) {
+        if (p->epilogue == EPI_NONE) STORE_ROWS_AS(EPI_NONE);
+        if (p->epilogue == EPI_RESIDUAL) STORE_ROWS_AS(EPI_RESIDUAL);
+        if (p->epilogue == EPI_SILU_MUL) STORE_ROWS_AS(EPI_SILU_MUL);
+    }
+#undef STORE_ROWS_AS
+    for (int r = r0; r < r1; r++) store_row(p, j->c, j->up, r, j->m0, j->col, j->bcol, j->bcol_up);
+}
+
 /* Store up to ``budget`` queued rows, in order; an emptied queue is reset. */
 static inline void queue_drain(const store_plan *p, store_queue *q, int budget) {
     while (budget > 0 && q->at < q->n) {
         const store_job *j = &q->job[q->at];
         if (q->row < j->skip) q->row = j->skip;
+        const int end = j->rows - q->row > budget ? q->row + budget : j->rows;
+        store_rows(p, j, q->row, end);
+        budget -= end - q->row;
+        q->row = end;
         if (q->row >= j->rows) {
             q->at++;
             q->row = 0;
-            continue;
         }
-        store_row(p, j->c, j->up, q->row++, j->m0, j->col, j->bcol, j->bcol_up);
-        budget--;
     }
     if (q->at >= q->n) q->n = q->at = q->row = 0;
 }
