@@ -824,7 +824,7 @@ def stack_timing(buf: torch.Tensor | None) -> None:
     order of :data:`STACK_PHASES` (norm + QKV, attention with its RoPE and KV write, O,
     norm + gate|up, SiLU + down), each up to the end of its closing barrier (waiting for the other
     thread counts). On the tile path (``DecodeStack.run`` with ``tiles``) RoPE and the KV write are a
-    pass of their own after QKV and count in its phase.
+    pass of their own after QKV and count in its phase, and the SiLU gate in gate|up's (its epilogue).
 
     Args:
         buf: ``(layers, len(STACK_PHASES))`` contiguous int64 CPU tensor, zeroed by the caller and

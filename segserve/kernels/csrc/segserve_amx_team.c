@@ -202,8 +202,8 @@ TEAM_TARGET static inline __attribute__((always_inline)) void pair_products(
     }
 }
 
-/* Row tiles 0..mt-1 (3 or 4) against blocks b0 and b1 as two passes of pair_products (the second reads
- * b0 and b1 from cache): c[i] the b0 block of row tile i, cu[i] the b1 block. */
+/* Row tiles 0..mt-1 (1-4) against blocks b0 and b1 by pair_products, two row tiles a pass (above two, the
+ * second pass reads b0 and b1 from cache): c[i] the b0 block of row tile i, cu[i] the b1 block. */
 TEAM_TARGET static void pair_block(const uint16_t *x, int64_t ldx, const int64_t m0[MAX_ROW_TILES], int mt,
                                    const uint16_t *b0, const uint16_t *b1, int64_t KS, float c[MAX_ROW_TILES][256],
                                    float cu[MAX_ROW_TILES][256]) {
