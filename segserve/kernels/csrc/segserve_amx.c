@@ -29,14 +29,15 @@
  *
  * Stores (tile -> float32 -> epilogue -> rows) are queued: the next microkernel's K loop stores a few
  * rows per step, so the epilogue (above all the SiLU gate's exp and divide per value) overlaps the tile
- * products (two accumulator buffers in turn; a thread's last microkernel drains its own). Storing each
- * microkernel's rows right after it instead: 1.27x the time of the four projections at M = 4,096, 1.11x
- * at 512 (2026-12-05, /tmp harness, builds alternating in one process). Until 2026-12-05 every epilogue
- * but the SiLU gate was staged (an item's tiles to a per-thread float32 buffer, stored by one pass after
- * the item), measured ahead on 2026-12-02 (one thread, M = 4,096: qkv 576 -> 701, o 657 -> 753, down
- * 718 -> 807 GFLOP/s); after the prefetches below it was behind: queued, four projections, M = 4,096,
- * 9 rounds alternating, one thread 24.86 -> 24.25 ms (qkv -5 %, o -5 %, down -9 %), two threads 12.35
- * -> 11.83 ms; M = 256 / 512 / 1,088 -6 / -5 / -3 %. Same bits.
+ * products (two accumulator buffers in turn; a thread's last microkernel drains its own). Until
+ * 2026-12-05 every epilogue but the SiLU gate was staged instead (an item's tiles to a per-thread float32
+ * buffer, stored by one pass after the item), measured ahead on 2026-12-02 in a /tmp harness. Measured
+ * again on 2026-12-05 in the engine, the two libraries alternating in one process (a 4,096-token bf16
+ * prefill, 6 rounds: 1.001 vs 1.001 s; 1,088 tokens, 8 rounds: 0.204 vs 0.207 s), the two are level, so
+ * the simpler path stays. (A /tmp harness that showed the queue 2-4 % ahead called amx.linear with two
+ * fresh outputs alive in turn, ~190 page faults a call: harness numbers for this kernel need outputs
+ * that do not fault, and the engine decides.) Storing the rows of the non-SiLU projections right after
+ * each microkernel instead of in the next one's K loop: 1.014x the prefill's time (same A/B).
  *
  * Prefetch (2026-12-02, round 4): at prefill sizes (M = 4,096: x 4.7 MB, y up to 12.6 MB) neither x nor
  * y stays in L2 between items, so the first panel of an item waited on x's rows and the stores on y's
@@ -45,7 +46,8 @@
  * 32 output rows, stored by the next one. One thread, M = 4,096, paired median over 80 rounds against
  * the kernel before round 3 (queued stores, static split, no prefetch), load ~5: gate|up 1.11x, qkv
  * 1.37x, down 1.15x, o 1.09x (the other epilogues then staged; without the prefetches ~1.0x). Without
- * the x prefetch (2026-12-05, queued): 1.06x the time at M = 4,096.
+ * both prefetches (2026-12-05, the engine A/B above): 1.067x the 4,096-token prefill's time, though a
+ * harness with its data warm in cache ran 3-9 % faster without them.
  *
  * Speed (one core, min over many calls; the host has phases where the tile unit runs ~3x slower, so a
  * figure means little without the register-only peak measured beside it, ~2,100-2,200 GFLOP/s when
@@ -286,9 +288,7 @@ static inline int queue_rows(const store_queue *q) {
 }
 
 /* Rows [r0, r1) of job j through store_row, with the plan's branches decided once for the run of rows
- * (a loop per common case, the plan a constant in each). Against store_row's tests per row: four
- * projections at M = 4,096, builds alternating in one process (2026-12-05), qkv and o 8-10 % less time,
- * gate|up and down (fewer rows per K step) unchanged; 2-3 % over the four, one or two threads. */
+ * (a loop per common case, the plan a constant in each), rather than tested per row. */
 static inline __attribute__((always_inline)) void store_rows(const store_plan *p, const store_job *j, int r0, int r1) {
 #define STORE_ROWS_AS(EPI)                                                                                  \
     do {                                                                                                    \
