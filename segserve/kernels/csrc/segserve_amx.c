@@ -287,37 +287,18 @@ static inline int queue_rows(const store_queue *q) {
     return n;
 }
 
-/* Rows [r0, r1) of job j through store_row, with the plan's branches decided once for the run of rows
- * (a loop per common case, the plan a constant in each), rather than tested per row. */
-static inline __attribute__((always_inline)) void store_rows(const store_plan *p, const store_job *j, int r0, int r1) {
-#define STORE_ROWS_AS(EPI)                                                                                  \
-    do {                                                                                                    \
-        const store_plan fixed = {EPI, AMX_DT_BF16, p->ldy, p->y, NULL};                                    \
-        for (int r = r0; r < r1; r++) store_row(&fixed, j->c, j->up, r, j->m0, j->col, j->bcol, j->bcol_up); \
-        return;                                                                                             \
-    } while (0)
-    if (!p->bias && p->ydt == AMX_DT_BF16) {
-        if (p->epilogue == EPI_NONE) STORE_ROWS_AS(EPI_NONE);
-        if (p->epilogue == EPI_RESIDUAL) STORE_ROWS_AS(EPI_RESIDUAL);
-        if (p->epilogue == EPI_SILU_MUL) STORE_ROWS_AS(EPI_SILU_MUL);
-    }
-#undef STORE_ROWS_AS
-    for (int r = r0; r < r1; r++) store_row(p, j->c, j->up, r, j->m0, j->col, j->bcol, j->bcol_up);
-}
-
 /* Store up to ``budget`` queued rows, in order; an emptied queue is reset. */
 static inline void queue_drain(const store_plan *p, store_queue *q, int budget) {
     while (budget > 0 && q->at < q->n) {
         const store_job *j = &q->job[q->at];
         if (q->row < j->skip) q->row = j->skip;
-        const int end = j->rows - q->row > budget ? q->row + budget : j->rows;
-        store_rows(p, j, q->row, end);
-        budget -= end - q->row;
-        q->row = end;
         if (q->row >= j->rows) {
             q->at++;
             q->row = 0;
+            continue;
         }
+        store_row(p, j->c, j->up, q->row++, j->m0, j->col, j->bcol, j->bcol_up);
+        budget--;
     }
     if (q->at >= q->n) q->n = q->at = q->row = 0;
 }
@@ -343,14 +324,10 @@ static inline void stream_start(line_stream *ls, const void *first, int64_t ld, 
     ls->per = ls->rows ? (int)((ls->rows * ls->row_lines + steps - 1) / steps) : 0;
 }
 
-/* The next ``per`` lines: into L2 (x, read by the next item) or, ``write``, for writing (y, stored at the
- * end of this item). */
-static inline void stream_step(line_stream *ls, int write) {
+/* The next ``per`` lines into L2 (x, read by the next item). */
+static inline void stream_step(line_stream *ls) {
     for (int i = 0; i < ls->per && ls->rows; i++) {
-        if (write)
-            __builtin_prefetch(ls->row + 64 * ls->col, 1, 2);
-        else
-            _mm_prefetch(ls->row + 64 * ls->col, _MM_HINT_T1);
+        _mm_prefetch(ls->row + 64 * ls->col, _MM_HINT_T1);
         if (++ls->col == ls->row_lines) {
             ls->col = 0;
             ls->row += ls->ld;
@@ -364,7 +341,7 @@ static inline void stream_step(line_stream *ls, int write) {
 typedef struct tile_dst {
     float *c;
     int64_t ldt, ldb, ldr;
-    const char *out0, *out1; /* where rows 0-15 of each row tile will be stored (2 x 2 kernel; else NULL) */
+    const char *out0, *out1; /* where rows 0-15 of each row tile will be stored (2 x 2 kernel only) */
     int64_t ldo;             /* their row stride, bytes */
 } tile_dst;
 
@@ -380,10 +357,9 @@ AMX_TARGET static inline void kernel_2x(const uint16_t *x0, const uint16_t *x1, 
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ks = 0; ks < KS; ks++) {
-        if (d->out0)
-            for (int i = 0, r = (int)ks * pfper; i < pfper && r < 32; i++, r++)
-                __builtin_prefetch(r < 16 ? d->out0 + r * d->ldo : d->out1 + (r - 16) * d->ldo, 1, 3);
-        stream_step(ls, 0);
+        for (int i = 0, r = (int)ks * pfper; i < pfper && r < 32; i++, r++)
+            __builtin_prefetch(r < 16 ? d->out0 + r * d->ldo : d->out1 + (r - 16) * d->ldo, 1, 3);
+        stream_step(ls);
         /* x's tiles with the no-reuse hint (TILELOADDT1): each is read once per panel, while the
          * panel's B tiles are read again by every row pair of the item, and plain loads of x pushed
          * those out of L1. 2026-12-04, engine steps of 1,088 rows (profile_prefill.py --budgets 1088,
