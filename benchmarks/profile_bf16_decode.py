@@ -225,12 +225,13 @@ def main() -> None:
     p.add_argument("--route", choices=("stack", "chunk"), default="stack",
                    help="--mode profile: this tree's route, or forward_chunk (main's for > 8 bf16 rows)")
     p.add_argument("--old-lib", default=None, help="--mode ab: variant A's kernel library (e.g. main's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (LLM's block_size)")
     p.add_argument("--out", default="results/profile_bf16_decode.json")
     a = p.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     if min(batches) < 1 or a.reps < 1 or a.prompt_len < 1:
         p.error("--batches, --reps and --prompt-len must be >= 1")
-    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=max(batches))
+    llm = LLM(a.model, dtype=a.dtype, max_num_seqs=max(batches), block_size=a.block_size)
     result = {"mode": a.mode, "route": a.route, "dtype": a.dtype, "model": a.model,
               "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "batches": {}}
     limits = getattr(cpu_kernels, "MAX_DECODE_STACK_ROWS_TILES", None)
