@@ -120,15 +120,18 @@ def peak_gflops(threads: int) -> float:
     return best
 
 
-def run(llm: LLM, prompt_len: int, repeats: int, t: Timers, seed: int) -> list[float]:
-    """Wall seconds of each of ``repeats`` cold prefills of a fresh ``prompt_len``-token prompt."""
+def run(llm: LLM, prompt_len: int, repeats: int, t: Timers, seed: int, prompts: int = 1) -> list[float]:
+    """Wall seconds of each of ``repeats`` cold prefills of ``prompt_len`` fresh tokens, in ``prompts``
+    prompts of (near) equal length sent together (the offline workload's steps hold several)."""
     times = []
     for r in range(repeats):
         g = torch.Generator().manual_seed(seed + r)
         ids = torch.randint(100, 40000, (prompt_len,), generator=g).tolist()
+        cuts = [prompt_len * i // prompts for i in range(prompts + 1)]
+        batch = [{"prompt_token_ids": ids[a:b]} for a, b in zip(cuts, cuts[1:], strict=False)]
         t.on = True
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         times.append(time.perf_counter() - t0)
         t.on = False
     return times
@@ -175,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--budgets", default="0,4096", help="comma list; 0 = the LLM's default")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=1,
+                   help="the --prompt-len tokens split into this many prompts, sent together")
     p.add_argument("--out", default="results/profile_prefill.json")
     args = p.parse_args(argv)
+    if not 1 <= args.prompts <= args.prompt_len:
+        p.error(f"--prompts must be in [1, --prompt-len], got {args.prompts}")
     threads = torch.get_num_threads()
     result = {"load_before": os.getloadavg(), "threads": threads, "budgets": {}}
     peak = peak_gflops(threads)
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         t.seconds.clear()
         t.flops.clear()
         t.padded_rows = 0
-        walls = run(llm, args.prompt_len, args.repeats, t, seed=1)
+        walls = run(llm, args.prompt_len, args.repeats, t, seed=1, prompts=args.prompts)
         print(f"budget {budget}:")
         result["budgets"][budget] = report(t, walls, args.prompt_len, peak) | {"wall_s": walls}
         del llm

@@ -13,7 +13,8 @@ Sets up what vLLM needs on demand (never a dependency of segserve, never in CI):
   Both engines load this directory, so the weights are identical by construction.
 
 Workloads (``--only``, each for every ``--dtype``): ``prefill`` (one 1k / 4k / 8k prompt, offline,
-tok/s = prompt tokens / time to first token), ``offline`` (64 requests, 64-512 prompt tokens, 64 out),
+tok/s = prompt tokens / time to first token), ``offline`` (64 requests, 64-512 prompt tokens, 64 out, as one
+batch; ``--offline-repeats`` batches of fresh prompts per engine, the median time counts),
 ``decode`` (batch 1 and 8, tokens a user receives per second after the first), ``serve`` (``vllm bench
 serve`` random 256 +- 50 % -> 64 at ``--request-rate``, plus batch-1 TPOT through the server),
 ``prefix`` (``vllm bench serve --dataset-name prefix_repetition``) and ``stall`` (8 streams decoding
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-lens", default="1024,4096,8064", help="prompt tokens (<= 8,191)")
     g.add_argument("--prefill-repeats", type=int, default=1)
     g.add_argument("--offline-num-prompts", type=int, default=64)
+    g.add_argument("--offline-repeats", type=int, default=3,
+                   help="offline batches per engine (fresh prompts, the same lengths); the median counts")
     g.add_argument("--decode-output-len", type=int, default=128)
     g.add_argument("--decode-batches", default="1,8")
     g.add_argument("--request-rate", type=float, default=1.5, help="serve: requests/s (~70 %% of vLLM's)")
@@ -154,9 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for flag in ("request_rate", "prefix_rate", "server_timeout_s"):
             if not getattr(args, flag) > 0 or math.isinf(getattr(args, flag)):
                 raise ValueError(f"--{flag.replace('_', '-')} must be a finite number > 0")
-        for flag in ("prefill_repeats", "offline_num_prompts", "num_prompts", "prefix_num_prompts",
-                     "prefix_len", "prefix_suffix_len", "prefix_num_prefixes", "prefix_output_len",
-                     "stall_long_len", "stall_streams", "stall_after_tokens", "vllm_kvcache_space"):
+        for flag in ("prefill_repeats", "offline_num_prompts", "offline_repeats", "num_prompts",
+                     "prefix_num_prompts", "prefix_len", "prefix_suffix_len", "prefix_num_prefixes",
+                     "prefix_output_len", "stall_long_len", "stall_streams", "stall_after_tokens",
+                     "vllm_kvcache_space"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         for flag in ("decode_output_len", "stall_output_len", "tpot_output_len"):
@@ -368,7 +372,7 @@ def estimate_s(unit: Unit, args: argparse.Namespace) -> float:
         if w == "prefill":
             s += args.prefill_repeats * sum(n / PREFILL_TOK_S * (1 + n / 8192) for n in args.prefill_lens)
         elif w == "offline":
-            s += args.offline_num_prompts * (288 + 64) / MIXED_TOTAL_TOK_S
+            s += args.offline_repeats * args.offline_num_prompts * (288 + 64) / MIXED_TOTAL_TOK_S
         elif w == "decode":
             s += sum(2 * b * 256 / PREFILL_TOK_S + b * args.decode_output_len /
                      (DECODE1_TOK_S if b == 1 else DECODE8_TOK_S) for b in args.decode_batches)
@@ -640,8 +644,10 @@ def offline_specs(args: argparse.Namespace, workloads: tuple[str, ...]) -> dict[
     if "offline" in workloads:
         rng = random.Random(s + 1)
         lens = [rng.randint(64, 512) for _ in range(args.offline_num_prompts)]
+        # Repeat r: the same lengths, fresh ids (no prefix-cache hits); repeat 0 is the one-batch run's.
         specs["offline"] = {"kind": "batch", "output_len": 64,
-                            "prompts": [random_ids(n, s + 100 + i, v) for i, n in enumerate(lens)]}
+                            "sets": [[random_ids(n, s + 100 + 100_000 * r + i, v) for i, n in enumerate(lens)]
+                                     for r in range(args.offline_repeats)]}
     if "decode" in workloads:
         for b in args.decode_batches:  # a warm-up set, then one set for t_1 and one for t_n
             sets = [[random_ids(256, s + 1000 + 100 * k + i, v) for i in range(b)] for k in range(3)]

@@ -14,7 +14,8 @@ token ids. Output (``--out``, JSON): ``{name: result}``, rewritten after each wo
 
 - ``prefill``: ``{"prompts": {label: [ids of each repeat]}}``: each prompt alone with ``max_tokens=1``;
   the wall time of ``generate`` is the offline time to first token; tok/s = prompt tokens / median time.
-- ``batch``: ``{"prompts": [ids...], "output_len": n}``: all at once; output and total tok/s.
+- ``batch``: ``{"sets": [[ids...], ...], "output_len": n}`` (or one ``"prompts"`` list): each set all at
+  once, set after set; output and total tok/s of the median time (the sets hold equal token counts).
 - ``decode``: ``{"sets": [batch of ids, ...], "output_len": n}``: a warm-up batch, then per repeat a
   batch with ``max_tokens=1`` and another with ``max_tokens=n``; decode tok/s = batch x (n - 1) /
   (t_n - t_1): the tokens a user receives per second after the first, end to end (scheduling,
@@ -80,11 +81,17 @@ def run_prefill(llm: Any, sp_cls: Any, w: dict) -> dict:
 
 
 def run_batch(llm: Any, sp_cls: Any, w: dict) -> dict:
-    seconds, outs = timed(llm, sp_cls, w["prompts"], w["output_len"])
-    prompt_tokens = sum(len(p) for p in w["prompts"])
+    """Each of ``sets`` (or the one ``prompts``) generated as one batch, in turn; rates from the median
+    time (the sets hold the same token counts), each set's seconds kept."""
+    sets = w.get("sets") or [w["prompts"]]
+    runs = [timed(llm, sp_cls, prompts, w["output_len"]) for prompts in sets]
+    seconds = statistics.median(t for t, _ in runs)
+    outs = runs[0][1]
+    prompt_tokens = sum(len(p) for p in sets[0])
     gen = output_tokens(outs)
     return {"requests": len(outs), "prompt_tokens": prompt_tokens, "output_tokens": gen, "seconds": seconds,
-            "output_tok_s": gen / seconds, "total_tok_s": (prompt_tokens + gen) / seconds,
+            "seconds_each": [t for t, _ in runs], "output_tok_s": gen / seconds,
+            "total_tok_s": (prompt_tokens + gen) / seconds,
             "first_tokens": list(outs[0].outputs[0].token_ids[:16])}
 
 

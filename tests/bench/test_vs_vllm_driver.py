@@ -21,6 +21,8 @@ def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
     workloads = {
         "prefill": {"kind": "prefill", "prompts": {"40": [_ids(40, 1), _ids(40, 2)]}},
         "offline": {"kind": "batch", "output_len": 4, "prompts": [_ids(10, 3), _ids(20, 4), _ids(30, 5)]},
+        "offline_sets": {"kind": "batch", "output_len": 4,
+                         "sets": [[_ids(10, 3 + 10 * r), _ids(20, 4 + 10 * r)] for r in range(3)]},
         "decode_b2": {"kind": "decode", "output_len": 6,
                       "sets": [[_ids(16, 10 + k * 2 + i) for i in range(2)] for k in range(3)]},
     }
@@ -39,6 +41,10 @@ def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
     off = out["offline"]
     assert (off["requests"], off["prompt_tokens"], off["output_tokens"]) == (3, 60, 12)
     assert off["total_tok_s"] > off["output_tok_s"] > 0 and len(off["first_tokens"]) == 4
+    sets = out["offline_sets"]  # one batch per set; rates from the median time, counts from one set
+    assert (sets["requests"], sets["prompt_tokens"], sets["output_tokens"]) == (2, 30, 8)
+    assert len(sets["seconds_each"]) == 3 and sets["seconds"] == sorted(sets["seconds_each"])[1]
+    assert sets["total_tok_s"] == (30 + 8) / sets["seconds"]
     dec = out["decode_b2"]
     assert (dec["batch"], dec["output_len"], len(dec["rates"])) == (2, 6, 1)
     assert dec["tpot_ms"] > 0 and len(out["decode_b2"]["load_before"]) == 3
@@ -71,3 +77,33 @@ def test_driver_needs_out_without_lines(tmp_path):
     r = subprocess.run([sys.executable, str(DRIVER), "--engine", "segserve", "--spec", str(spec_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--out is required without --lines" in r.stderr
+
+
+def _vs_vllm():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import vs_vllm
+
+    return vs_vllm
+
+
+def test_offline_repeats_are_fresh_prompts_of_the_same_lengths():
+    """Each repeat's batch has the first's lengths and its own ids (no prefix-cache hit between them);
+    repeat 0 is the batch a one-repeat run sends, so its greedy tokens stay comparable across runs."""
+    vs = _vs_vllm()
+    sets = vs.offline_specs(vs.parse_args(["--offline-repeats", "3"]), ("offline",))["offline"]["sets"]
+    one = vs.offline_specs(vs.parse_args(["--offline-repeats", "1"]), ("offline",))["offline"]["sets"]
+    assert len(sets) == 3 and len(one) == 1 and sets[0] == one[0]
+    assert [len(p) for p in sets[0]] == [len(p) for p in sets[1]] == [len(p) for p in sets[2]]
+    assert len(sets[0]) == 64 and min(len(p) for p in sets[0]) >= 64 and max(len(p) for p in sets[0]) <= 512
+    assert sets[0][0][:8] != sets[1][0][:8] != sets[2][0][:8]
+
+
+def test_offline_repeats_below_one_is_refused(capsys):
+    vs = _vs_vllm()
+    try:
+        vs.parse_args(["--offline-repeats", "0"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--offline-repeats 0 was accepted")
+    assert "--offline-repeats must be >= 1, got 0" in capsys.readouterr().err
