@@ -78,32 +78,3 @@ def test_driver_needs_out_without_lines(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--out is required without --lines" in r.stderr
 
-
-def _vs_vllm():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import vs_vllm
-
-    return vs_vllm
-
-
-def test_offline_repeats_are_fresh_prompts_of_the_same_lengths():
-    """Each repeat's batch has the first's lengths and its own ids (no prefix-cache hit between them);
-    repeat 0 is the batch a one-repeat run sends, so its greedy tokens stay comparable across runs."""
-    vs = _vs_vllm()
-    sets = vs.offline_specs(vs.parse_args(["--offline-repeats", "3"]), ("offline",))["offline"]["sets"]
-    one = vs.offline_specs(vs.parse_args(["--offline-repeats", "1"]), ("offline",))["offline"]["sets"]
-    assert len(sets) == 3 and len(one) == 1 and sets[0] == one[0]
-    assert [len(p) for p in sets[0]] == [len(p) for p in sets[1]] == [len(p) for p in sets[2]]
-    assert len(sets[0]) == 64 and min(len(p) for p in sets[0]) >= 64 and max(len(p) for p in sets[0]) <= 512
-    assert sets[0][0][:8] != sets[1][0][:8] != sets[2][0][:8]
-
-
-def test_offline_repeats_below_one_is_refused(capsys):
-    vs = _vs_vllm()
-    try:
-        vs.parse_args(["--offline-repeats", "0"])
-    except SystemExit as exc:
-        assert exc.code == 2
-    else:
-        raise AssertionError("--offline-repeats 0 was accepted")
-    assert "--offline-repeats must be >= 1, got 0" in capsys.readouterr().err

@@ -177,13 +177,29 @@ def test_hf_config_names_the_architecture(vs):
 
 def test_offline_prompts_are_never_reused(vs):
     args = vs.parse_args(["--prefill-lens", "64", "--prefill-repeats", "2", "--offline-num-prompts", "3",
-                          "--decode-batches", "2"])
+                          "--offline-repeats", "2", "--decode-batches", "2"])
     specs = vs.offline_specs(args, ("prefill", "offline", "decode"))
-    prompts = [*specs["prefill"]["prompts"]["64"], *specs["offline"]["prompts"],
+    offline = specs["offline"]["sets"]
+    prompts = [*specs["prefill"]["prompts"]["64"], *(p for s in offline for p in s),
                *(p for s in specs["decode_b2"]["sets"] for p in s)]
-    assert len({tuple(p) for p in prompts}) == len(prompts) == 2 + 3 + 3 * 2
-    assert all(64 <= len(p) <= 512 for p in specs["offline"]["prompts"])
+    assert len({tuple(p) for p in prompts}) == len(prompts) == 2 + 2 * 3 + 3 * 2
+    assert all(64 <= len(p) <= 512 for p in offline[0])
+    assert [len(p) for p in offline[0]] == [len(p) for p in offline[1]]  # repeats: the same lengths
     assert all(min(p) >= 17 for p in prompts)
+
+
+def test_offline_repeat_zero_is_the_one_batch_run(vs):
+    """Repeat 0 is the batch a one-repeat run sends, so its greedy tokens compare across runs."""
+    one = vs.offline_specs(vs.parse_args(["--offline-repeats", "1"]), ("offline",))["offline"]["sets"]
+    three = vs.offline_specs(vs.parse_args([]), ("offline",))["offline"]["sets"]
+    assert len(one) == 1 and len(three) == 3 and three[0] == one[0] and len(one[0]) == 64
+
+
+def test_offline_repeats_below_one_is_refused(vs, capsys):
+    with pytest.raises(SystemExit) as exc:
+        vs.parse_args(["--offline-repeats", "0"])
+    assert exc.value.code == 2
+    assert "--offline-repeats must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_greedy_agreement_counts_leading_tokens(vs):
