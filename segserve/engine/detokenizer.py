@@ -79,6 +79,12 @@ class IncrementalDetokenizer:
         """The full output text so far (held-back text included; O(length) per call)."""
         return "".join(self._released) + self._held
 
+    @property
+    def released_text(self) -> str:
+        """The text returned by :meth:`update` and :meth:`flush` so far: what a request's outputs carry
+        (vLLM's cumulative text leaves out the same held-back tail); O(length) per call."""
+        return "".join(self._released)
+
     def update(self, new_token_ids: list[int]) -> str:
         """Append generated token ids and return the text that became final.
 

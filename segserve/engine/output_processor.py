@@ -32,7 +32,7 @@ class _Completion:
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.text,
+            text=self.detokenizer.released_text,  # never a possible stop string's start
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob if self.want_logprobs else None,
             logprobs=list(self.logprobs) if self.want_logprobs else None,

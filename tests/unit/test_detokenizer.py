@@ -180,3 +180,27 @@ def test_spaces_between_special_tokens_false_writes_them_unspaced() -> None:
     tight.flush()
     assert spaced.text == " a <sep> <sep> b"
     assert tight.text == " a<sep><sep>b"  # no space around added tokens (HF slow tokenizers' rule)
+
+
+def test_request_outputs_hold_back_a_possible_stop_string() -> None:
+    """Regression (a fresh user's trial, 2026-12-05): RequestOutput's cumulative text carried the text
+    held back as a possible stop string's start, so a stream sent characters that the final text then
+    lacked (" 4, 5, " streamed, " 4, 5," returned, for stop " 6"). Every step's text is what the
+    detokenizer released: it only grows, and holds the full text once the request finishes."""
+    from segserve.core.scheduler import EngineCoreOutput
+    from segserve.engine.output_processor import OutputProcessor
+    from segserve.sampling_params import SamplingParams
+
+    tokenizer = _tiny_bpe()
+    ids = _ids(tokenizer, "the cat sat on the mat")
+    proc = OutputProcessor(tokenizer)
+    state = proc.make_state("r", None, [5, 6], SamplingParams(max_tokens=len(ids), stop=["mat!"]), 0.0)
+    proc.add(state, ["r"])
+    texts = []
+    for step in [[token] for token in ids] + [[]]:  # the length limit ends it in a step of its own
+        outs, hits = proc.process([EngineCoreOutput("r", step, finish_reason=None if step else "length")])
+        assert hits == []
+        texts.append(outs[0].outputs[0].text)
+    assert texts[-2] == "the cat sat on the "  # "mat" could still become "mat!": held back
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    assert texts[-1] == "the cat sat on the mat" and outs[0].finished
