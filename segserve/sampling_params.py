@@ -11,6 +11,10 @@ from segserve.structured_output.params import StructuredOutputsParams
 SAMPLING_EPS = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
+# Every stop string is searched for after every token (~1 us each here, on the engine thread, so a step
+# of every request waits): 64 cost ~85 us a token; 100,000 (a 1 MB request body) cost 0.1 s a token and
+# slowed every other stream ~30x. vLLM sets no limit; OpenAI's API takes 4.
+MAX_STOP_STRINGS = 64
 
 
 @dataclass
@@ -27,7 +31,7 @@ class SamplingParams:
             chunking, batching or prefix-cache state.
         max_tokens: most tokens to generate (>= 1); ``None`` means up to ``max_model_len``.
         min_tokens: EOS and stop token ids are ignored until this many tokens were generated.
-        stop: strings that end generation; the matched string is left out of the text.
+        stop: strings that end generation (at most 64); the matched string is left out of the text.
         stop_token_ids: token ids that end generation (the id is kept in ``token_ids``).
         ignore_eos: keep generating past EOS.
         logprobs: number of top logprobs to return per generated token (0..20), besides the sampled one.
@@ -121,6 +125,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(stop)} strings, more than the limit of {MAX_STOP_STRINGS}")
         self.stop_strings = tuple(stop)
         ids = list(self.stop_token_ids or [])
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):

@@ -64,6 +64,7 @@ def test_bad_prompt_is_refused_and_the_engine_keeps_serving(eng, prompt, message
         (dict(min_tokens=5, max_tokens=2), "min_tokens=5 must be <= max_tokens=2"),
         (dict(logprobs=50), r"logprobs must be an int in \[0, 20\], got 50"),
         (dict(stop=[""]), "stop must be non-empty strings"),
+        (dict(stop=["x"] * 65), "stop holds 65 strings, more than the limit of 64"),
     ],
 )
 def test_invalid_sampling_values_name_the_field_and_range(kwargs, message):

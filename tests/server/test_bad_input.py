@@ -44,6 +44,19 @@ CASES = [
     (CMPL, {**GOOD, "model": "gpt-4"}, 404, "model", "`gpt-4` does not exist"),
     (CHAT, {"model": "nope", "messages": MSGS}, 404, "model", "`nope` does not exist"),
     ("/v1/embeddings", {"model": SERVED_NAME, "input": "x"}, 404, None, "Not Found"),
+    # A fresh user's trial (2026-12-05): no limit on stop strings, validator text with pydantic's
+    # "Value error, " and a second "(got ...)", the chat limit named max_tokens, no param for a check
+    # across fields, tokenizer internals for a lone surrogate, no word of UTF-8 for a non-UTF-8 body.
+    (CMPL, {**GOOD, "stop": ["zz"] * 65}, 400, "stop", "stop holds 65 strings, more than the limit of 64"),
+    (CMPL, {**GOOD, "temperature": 3}, 400, "temperature",
+     "temperature: temperature must be in [0, 2], got 3"),
+    (CHAT, {"model": SERVED_NAME, "messages": MSGS, "max_completion_tokens": -5}, 400,
+     "max_completion_tokens", "max_completion_tokens must be an int >= 1, got -5"),
+    (CMPL, {**GOOD, "min_tokens": 10, "max_tokens": 2}, 400, "min_tokens",
+     "min_tokens=10 must be <= max_tokens=2"),
+    (CMPL, b'{"model": "%s", "prompt": "\\ud800 Hi", "max_tokens": 2}' % SERVED_NAME.encode(), 400, "prompt",
+     "lone UTF-16 surrogate U+D800 at character 0"),
+    (CMPL, b'{"model": "x", "prompt": "\xff\xfe"}', 400, None, "malformed body: not valid UTF-8 JSON"),
 ]
 
 
@@ -62,6 +75,7 @@ def test_bad_input_answers_in_openai_shape_then_good_request_works(tiny_server, 
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"], error
+    assert "Value error" not in error["message"] and error["message"].count("got ") <= 1, error
     assert error["param"] == param
     good = _post(handle.base_url, CMPL, GOOD)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2

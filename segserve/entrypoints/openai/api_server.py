@@ -12,6 +12,7 @@ traceback. ``/openapi.json`` documents the status codes actually sent (``openapi
 from __future__ import annotations
 
 import logging
+import re
 import socket
 from typing import Any
 
@@ -48,6 +49,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
+    if err.get("type") == "value_error":  # our validators' ValueError: its text names value and limit
+        message = str(err.get("ctx", {}).get("error", err.get("msg")))
+        if param is None:  # a check across fields starts with the field it blames (min_tokens=5 ...)
+            first = re.match(r"[a-z_]*", message).group()
+            param = first if isinstance(exc.body, dict) and first in exc.body else None
+        return (f"{where}: {message}" if loc else message), param
     return f"{where}: {err.get('msg')} (got {quote(err.get('input'))})", param
 
 
@@ -71,6 +78,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's words when the body is not UTF-8 (json.loads of bytes raises UnicodeDecodeError)
+            return ApiError(400, "malformed body: not valid UTF-8 JSON").response()
         # exc.headers carries Allow on a 405.
         return ApiError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -49,14 +50,17 @@ def short_error(exc: Exception) -> str:
 
 
 def _param_of(message: str) -> str | None:
-    """The request field an engine ``ValueError`` message is about (its messages start with the name)."""
-    first = message.split(" ", 1)[0]
+    """The request field an engine ``ValueError`` message is about (its messages start with the name,
+    alone or as ``name=value``)."""
+    first = re.match(r"[a-z_]*", message).group()
     return first if first in _PARAM_NAMES else None
 
 
 def sampling_params(req: p.SamplingFields, max_tokens: int | None, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, tools: ToolPlan | None = None) -> SamplingParams:
-    """``SamplingParams`` of a request. Raises ApiError(400) naming the field and its allowed range.
+                    prompt_logprobs: int | None = None, tools: ToolPlan | None = None,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """``SamplingParams`` of a request. Raises ApiError(400) naming the field and its allowed range;
+    ``max_tokens_field`` is the name the client gave the output limit (chat's ``max_completion_tokens``).
 
     The output constraint comes from ``response_format`` / ``structured_outputs``, or from ``tools``
     (``tool_choice`` required or named); asking for both is refused.
@@ -75,7 +79,10 @@ def sampling_params(req: p.SamplingFields, max_tokens: int | None, logprobs: int
                               prompt_logprobs=prompt_logprobs, structured_outputs=constraint,
                               **req.logits_kwargs(), **optional)
     except ValueError as exc:
-        raise bad_request(short_error(exc), _param_of(str(exc))) from None
+        message, param = short_error(exc), _param_of(str(exc))
+        if param == "max_tokens" and max_tokens_field != "max_tokens":
+            message, param = message.replace("max_tokens", max_tokens_field, 1), max_tokens_field
+        raise bad_request(message, param) from None
 
 
 def check_fields(req: p.BaseModel, refused: dict[str, str]) -> None:

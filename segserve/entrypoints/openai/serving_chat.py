@@ -53,7 +53,9 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, serving.tool_parser)
     except FieldError as exc:
         raise bad_request(str(exc), exc.param) from None
-    params = sampling_params(req, max_tokens, top if req.logprobs else None, tools=plan)
+    params = sampling_params(req, max_tokens, top if req.logprobs else None, tools=plan,
+                             max_tokens_field="max_completion_tokens" if req.max_completion_tokens is not None
+                             else "max_tokens")
     serving.check_servable(params)
     prompt_ids = await asyncio.to_thread(serving.chat_prompt_ids, req, serving.chat_messages(req), plan.tools)
     serving.check_length(len(prompt_ids), max_tokens, "messages")
