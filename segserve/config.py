@@ -109,6 +109,9 @@ class SchedulerConfig:
                 f"attention_cost_tokens must be >= 0 (0 = token budget only), "
                 f"got {self.attention_cost_tokens}"
             )
+        if not isinstance(self.max_num_batched_tokens, int) or isinstance(self.max_num_batched_tokens, bool):
+            raise ValueError(f"max_num_batched_tokens must be an int (auto is for `segserve serve`), got "
+                             f"{self.max_num_batched_tokens!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:

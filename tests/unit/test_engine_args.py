@@ -98,6 +98,10 @@ def test_defaults_are_the_config_classes_defaults():
         (EngineArgs(attention_backend="flash"), "attention_backend must be 'segmented' or 'reference'"),
         (EngineArgs(scheduling_policy="fifo"), "policy must be one of"),
         (EngineArgs(num_kv_blocks=1), "num_kv_blocks must be >= 2"),
+        # A fresh user's trial: LLM(max_num_batched_tokens="auot") raised TypeError "'<' not supported".
+        (EngineArgs(max_num_batched_tokens="auot"),
+         r"max_num_batched_tokens must be an int \(auto is for `segserve serve`\), got 'auot'"),
+        (EngineArgs(max_num_batched_tokens=1.5), "max_num_batched_tokens must be an int .*, got 1.5"),
     ],
 )
 def test_check_raises_what_the_builder_raises_without_a_model(args, message):
