@@ -21,6 +21,13 @@ T = TypeVar("T")
 log = logging.getLogger("segserve")
 
 
+def default_served_names(file_name: str, model_arg: str | None) -> list[str]:
+    """The names a server answers to without ``--served-model-name``: the model file's name (reported),
+    and the model argument as given, which is what vLLM serves a path as (``serve ./dir`` answers
+    ``"model": "./dir"``), so that clients written for vLLM keep working."""
+    return [file_name] + ([model_arg] if model_arg and model_arg != file_name else [])
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     srv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
@@ -35,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
         "--served-model-name", nargs="+", default=None,
-        help="model name(s) clients send as `model` (default: the model file's name)",
+        help="model name(s) clients send as `model` (default: the model file's name, and MODEL as given)",
     )
     srv.add_argument(
         "--max-waiting-requests", type=int, default=256,
@@ -126,7 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
         source = choice.line.removeprefix("step profile: ")
         llm_engine.step_monitor = StepErrorMonitor(choice.model, source=source)
     app, engine = make_server(
-        llm_engine, args.served_model_name, args.max_waiting_requests, args.log_interval,
+        llm_engine, args.served_model_name or default_served_names(llm_engine.loaded.name, args.model),
+        args.max_waiting_requests, args.log_interval,
         budget_source="auto" if auto else "given", max_request_body_bytes=args.max_request_body_bytes,
         cache_salt_by_api_key=args.cache_salt_by_api_key,
         api_key=args.api_key or os.environ.get("SEGSERVE_API_KEY") or None,

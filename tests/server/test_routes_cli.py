@@ -157,3 +157,13 @@ def test_offline_logprobs_are_vllm_logprob_objects(tiny_offline):
     prompt_pos = out.prompt_logprobs[1]
     actual = out.prompt_token_ids[1]
     assert prompt_pos[actual].rank >= 1 and prompt_pos[actual].decoded_token == tok.decode([actual])
+
+
+def test_the_model_argument_as_given_is_a_served_name_too():
+    """vLLM serves `serve ./dir` as "./dir"; a fresh user's request with the path got a 404. The file's
+    name stays first (the name responses report), the argument as given follows."""
+    from segserve.entrypoints.serve import default_served_names
+
+    assert default_served_names("smol", "/models/smol") == ["smol", "/models/smol"]
+    assert default_served_names("smol", "smol") == ["smol"]
+    assert default_served_names("smol", None) == ["smol"]
