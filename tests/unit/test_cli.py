@@ -22,3 +22,17 @@ def test_auto_tool_choice_flags_go_together(capsys):
     assert err.startswith("error: ") and "--enable-auto-tool-choice and --tool-call-parser go together" in err
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+
+
+def test_generate_refuses_bad_sampling_flags_before_the_model_loads(capsys, monkeypatch):
+    """A fresh user's trial: `--max-tokens 0` was refused only after a 5-15 s model load."""
+    from segserve import LLMEngine
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", no_load)
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "0"]) == 2
+    assert "max_tokens must be an int >= 1, got 0" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0, got -1.0" in capsys.readouterr().err
