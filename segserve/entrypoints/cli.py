@@ -52,8 +52,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# vLLM flags a vLLM user may bring that segserve does not take, and why (refused, never ignored: a flag
+# that is accepted does what it says). ``LLM()`` takes the GPU ones as keywords and logs that they do
+# nothing on the CPU, as vLLM's CPU build does.
+VLLM_ONLY_FLAGS = {
+    **dict.fromkeys(("--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size",
+                     "--pipeline-parallel-size", "--data-parallel-size", "--swap-space", "--cuda-graph-sizes",
+                     "--max-seq-len-to-capture", "--disable-custom-all-reduce"),
+                    "a vLLM GPU setting (on the CPU the KV cache is sized by --kv-cache-memory-bytes)"),
+    "--trust-remote-code": "segserve runs its own Llama code only, never a checkpoint's",
+    "--enable-chunked-prefill": "segserve always chunks prefills (--max-num-batched-tokens: their budget)",
+    "--disable-log-requests": "segserve logs no requests (--log-interval sets the stats line)",
+}
+
+
+def _unknown_flags_message(unknown: list[str]) -> str:
+    """argparse's complaint, with the reason for each vLLM-only flag among ``unknown``."""
+    why = [f"{flag} is {VLLM_ONLY_FLAGS[flag]}" if VLLM_ONLY_FLAGS[flag].startswith("a ") else
+           f"{flag}: {VLLM_ONLY_FLAGS[flag]}"
+           for flag in dict.fromkeys(u.split("=", 1)[0] for u in unknown) if flag in VLLM_ONLY_FLAGS]
+    return "; ".join([f"unrecognized arguments: {' '.join(unknown)}", *why])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unknown_flags_message(unknown))
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:

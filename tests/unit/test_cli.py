@@ -36,3 +36,20 @@ def test_generate_refuses_bad_sampling_flags_before_the_model_loads(capsys, monk
     assert "max_tokens must be an int >= 1, got 0" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_vllm_only_flags_are_refused_with_the_reason(capsys):
+    """A fresh user's trial: `serve --gpu-memory-utilization 0.9` said only "unrecognized arguments"."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--gpu-memory-utilization", "0.9", "--enable-chunked-prefill", "--max-num-seqs", "4"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --gpu-memory-utilization --enable-chunked-prefill" in err
+    assert "--gpu-memory-utilization is a vLLM GPU setting (on the CPU the KV cache is sized by " \
+           "--kv-cache-memory-bytes)" in err
+    assert "--enable-chunked-prefill: segserve always chunks prefills" in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--bogus"])
+    assert capsys.readouterr().err.rstrip().endswith("error: unrecognized arguments: --bogus")
