@@ -24,7 +24,6 @@ import os
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,16 +54,12 @@ def parse_variant(spec: str) -> tuple[str, Path | None, list[str]]:
 
 
 def compile_variant(src: Path | None, flags: list[str], out: Path) -> None:
-    """This tree's sources (those in ``src`` replacing theirs) compiled and linked into ``out``."""
-    objs = []
-    for source in build.SOURCES:
-        path = src / source.name if src is not None and (src / source.name).is_file() else source
-        obj = out.with_name(f"{out.stem}_{source.stem}.o")
-        compile_flags = [f for f in build.FLAGS if f != "-shared"] + list(build.defines())
-        cmd = ["gcc", *compile_flags, f"-I{build.CSRC}", *flags, "-c", str(path), "-o", str(obj)]
-        subprocess.run(cmd, check=True)
-        objs.append(str(obj))
-    subprocess.run(["gcc", *build.FLAGS, *objs, "-o", str(out), "-lm"], check=True)
+    """This tree's sources (those in ``src`` replacing theirs) compiled and linked into ``out`` by the
+    library's own build step."""
+    sources = tuple(src / f.name if src is not None and (src / f.name).is_file() else f
+                    for f in build.SOURCES)
+    with tempfile.TemporaryDirectory(dir=out.parent) as objs:
+        build._compile_and_link(build._compiler(), Path(objs), str(out), sources, tuple(flags))
 
 
 def load(path: Path) -> ctypes.CDLL:

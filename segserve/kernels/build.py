@@ -126,17 +126,20 @@ def _intact(target: Path) -> bool:
         return False
 
 
-def _compile_and_link(cc: str, objs: Path, out: str) -> None:
+def _compile_and_link(cc: str, objs: Path, out: str, sources: tuple[Path, ...] | None = None,
+                      extra_flags: tuple[str, ...] = ()) -> None:
     """Compile every source to an object in ``objs``, all at once (one compiler per source, so a
     build takes the slowest file's time on a multi-core machine rather than the sum: ~12 s instead of
-    ~29 s here), then link them into ``out``.
+    ~29 s here), then link them into ``out``. ``sources`` (default :data:`SOURCES`; a variant's, same file
+    names, the headers found in ``csrc``) and ``extra_flags`` build a variant
+    (``benchmarks/ab_kernel_builds.py``).
 
     Raises:
         RuntimeError: a compiler or the linker failed (its exit status and the end of its stderr).
     """
-    compile_flags = [f for f in FLAGS if f != "-shared"] + list(defines())
+    compile_flags = [f for f in FLAGS if f != "-shared"] + list(defines()) + [f"-I{CSRC}", *extra_flags]
     jobs = []
-    for src in SOURCES:
+    for src in SOURCES if sources is None else sources:
         obj = objs / (src.stem + ".o")
         cmd = [cc, *compile_flags, "-c", str(src), "-o", str(obj)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
