@@ -182,13 +182,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty (0 characters); at least 1 token is needed")
-            bad = next((i for i, ch in enumerate(prompt) if "\ud800" <= ch <= "\udfff"), None)
-            if bad is not None:  # a lone surrogate (JSON allows "\ud800"): not text, and not encodable
-                raise ValueError(f"prompt holds a lone UTF-16 surrogate U+{ord(prompt[bad]):04X} at "
-                                 f"character {bad}, which is not valid Unicode text")
             try:
                 return prompt, self.tokenizer.encode(prompt)
-            except TypeError as exc:
+            except TypeError as exc:  # looked into only on failure: a scan per request would cost O(chars)
+                bad = next((i for i, ch in enumerate(prompt) if "\ud800" <= ch <= "\udfff"), None)
+                if bad is not None:  # a lone surrogate (JSON allows "\ud800"): not text, and not encodable
+                    raise ValueError(f"prompt holds a lone UTF-16 surrogate U+{ord(prompt[bad]):04X} at "
+                                     f"character {bad}, which is not valid Unicode text") from None
                 raise ValueError(f"prompt text cannot be tokenized: {exc}") from None
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(

@@ -12,7 +12,6 @@ traceback. ``/openapi.json`` documents the status codes actually sent (``openapi
 from __future__ import annotations
 
 import logging
-import re
 import socket
 from typing import Any
 
@@ -29,7 +28,7 @@ from segserve.entrypoints.openai import tokenize as tk
 from segserve.entrypoints.openai.errors import ApiError, internal_error
 from segserve.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, quote
 from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
-from segserve.entrypoints.openai.serving import OpenAIServing
+from segserve.entrypoints.openai.serving import OpenAIServing, leading_name
 from segserve.entrypoints.openai.serving_chat import create_chat_completion
 from segserve.entrypoints.openai.serving_completion import create_completion
 
@@ -52,7 +51,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if err.get("type") == "value_error":  # our validators' ValueError: its text names value and limit
         message = str(err.get("ctx", {}).get("error", err.get("msg")))
         if param is None:  # a check across fields starts with the field it blames (min_tokens=5 ...)
-            first = re.match(r"[a-z_]*", message).group()
+            first = leading_name(message)
             param = first if isinstance(exc.body, dict) and first in exc.body else None
         return (f"{where}: {message}" if loc else message), param
     return f"{where}: {err.get('msg')} (got {quote(err.get('input'))})", param

@@ -49,10 +49,14 @@ def short_error(exc: Exception) -> str:
     return printable(str(exc), 200)
 
 
+def leading_name(message: str) -> str:
+    """The field name our ``ValueError`` messages start with, alone or as ``name=value`` ("": none)."""
+    return re.match(r"[a-z_]*", message).group()
+
+
 def _param_of(message: str) -> str | None:
-    """The request field an engine ``ValueError`` message is about (its messages start with the name,
-    alone or as ``name=value``)."""
-    first = re.match(r"[a-z_]*", message).group()
+    """The request field an engine ``ValueError`` message is about (its messages start with the name)."""
+    first = leading_name(message)
     return first if first in _PARAM_NAMES else None
 
 
