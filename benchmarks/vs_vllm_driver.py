@@ -14,8 +14,8 @@ token ids. Output (``--out``, JSON): ``{name: result}``, rewritten after each wo
 
 - ``prefill``: ``{"prompts": {label: [ids of each repeat]}}``: each prompt alone with ``max_tokens=1``;
   the wall time of ``generate`` is the offline time to first token; tok/s = prompt tokens / median time.
-- ``batch``: ``{"sets": [[ids...], ...], "output_len": n}`` (or one ``"prompts"`` list): each set all at
-  once, set after set; output and total tok/s of the median time (the sets hold equal token counts).
+- ``batch``: ``{"sets": [[ids...], ...], "output_len": n}``: each set all at once, set after set; output
+  and total tok/s of the median time (the sets hold equal token counts).
 - ``decode``: ``{"sets": [batch of ids, ...], "output_len": n}``: a warm-up batch, then per repeat a
   batch with ``max_tokens=1`` and another with ``max_tokens=n``; decode tok/s = batch x (n - 1) /
   (t_n - t_1): the tokens a user receives per second after the first, end to end (scheduling,
@@ -81,9 +81,9 @@ def run_prefill(llm: Any, sp_cls: Any, w: dict) -> dict:
 
 
 def run_batch(llm: Any, sp_cls: Any, w: dict) -> dict:
-    """Each of ``sets`` (or the one ``prompts``) generated as one batch, in turn; rates from the median
-    time (the sets hold the same token counts), each set's seconds kept."""
-    sets = w.get("sets") or [w["prompts"]]
+    """Each of ``sets`` generated as one batch, in turn; rates from the median time (the sets hold the
+    same token counts), each set's seconds kept."""
+    sets = w["sets"]
     runs = [timed(llm, sp_cls, prompts, w["output_len"]) for prompts in sets]
     seconds = statistics.median(t for t, _ in runs)
     outs = runs[0][1]

@@ -20,7 +20,7 @@ def _ids(n: int, start: int) -> list[int]:
 def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
     workloads = {
         "prefill": {"kind": "prefill", "prompts": {"40": [_ids(40, 1), _ids(40, 2)]}},
-        "offline": {"kind": "batch", "output_len": 4, "prompts": [_ids(10, 3), _ids(20, 4), _ids(30, 5)]},
+        "offline": {"kind": "batch", "output_len": 4, "sets": [[_ids(10, 3), _ids(20, 4), _ids(30, 5)]]},
         "offline_sets": {"kind": "batch", "output_len": 4,
                          "sets": [[_ids(10, 3 + 10 * r), _ids(20, 4 + 10 * r)] for r in range(3)]},
         "decode_b2": {"kind": "decode", "output_len": 6,
