@@ -10,6 +10,15 @@ variant one greedy request (a fresh ``--prompt-len``-token prompt, ``--output-le
 a server it also reads ``/metrics`` before and after: the engine loop's busy, step and model seconds per
 token, so the gap splits into "the step got slower" and "time between steps".
 
+Why the server is slower shows in the threads' scheduler counters (``/proc/<pid>/task/<tid>``), per
+token: how often the event loop's thread went to sleep (``loop_wakes``: each wake takes a core from the
+kernels' two OpenMP threads), and how long the engine's threads sat runnable but off a core
+(``engine_wait_ms``) and how often they were preempted (``engine_preempted``). ``--burn PERIOD:MS`` adds
+the variant ``offline_burn``: offline again, beside a process that wakes every PERIOD ms and burns MS ms
+of CPU, a stand-in for the loop and the client with a known cost; its ``burner_cpu_ms`` against its TPOT
+over ``offline``'s says how many ms a token one ms of someone else's CPU costs a two-thread team that
+meets at ~150 barriers a step (about 2 here: docs/perf.md "Twentieth session").
+
 Prints one line per round and per variant the median and minimum TPOT and its ratio to offline, and
 writes ``--out`` (JSON). Quote the load average (``uptime``) with the figures. Example:
 ``python benchmarks/server_tpot.py --rounds 6 --server main=`` (one server, default flags).
@@ -44,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "flags); "
                    "NAME@TREE runs that checkout's segserve (e.g. main@/work/main)")
     p.add_argument("--no-offline", action="store_true", help="servers only (an A/B of server variants)")
+    p.add_argument("--burn", type=burn_spec, default=None, metavar="PERIOD:MS",
+                   help="add offline_burn: offline beside a process burning MS ms of CPU every PERIOD ms")
     p.add_argument("--clients", default="stdlib", help="comma list of stdlib,httpx: each server is timed "
                    "through each (the client shares the cores: its cost per token shows in the TPOT)")
     p.add_argument("--rounds", type=int, default=5)
@@ -60,6 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if "=" not in spec:
             p.error(f"--server takes NAME=FLAGS, got {spec!r}")
     return args
+
+
+def burn_spec(text: str) -> tuple[float, float]:
+    """``PERIOD:MS`` -> (period, burn) in ms; 0 < burn < period."""
+    try:
+        period, burn = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--burn takes PERIOD:MS (ms), got {text!r}") from None
+    if not 0 < burn < period:
+        raise argparse.ArgumentTypeError(f"--burn needs 0 < MS < PERIOD, got {text!r}")
+    return period, burn
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:
@@ -121,6 +143,55 @@ def loop_thread_cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# ---- scheduler counters -------------------------------------------------------------------------------
+
+
+def read_thread(pid: int, tid: int | str) -> tuple[int, int, int, int] | None:
+    """One thread's (ns on a core, ns runnable off a core, voluntary, involuntary context switches) from
+    ``/proc/<pid>/task/<tid>/{schedstat,status}``; None when the thread has gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            status = f.read()
+    except (OSError, ValueError):
+        return None
+    switches = dict(line.split(":") for line in status.splitlines() if line.endswith(tuple("0123456789"))
+                    and "ctxt_switches" in line)
+    return (run_ns, wait_ns, int(switches.get("voluntary_ctxt_switches", 0)),
+            int(switches.get("nonvoluntary_ctxt_switches", 0)))
+
+
+def thread_counters(pid: int) -> dict[int, tuple[int, int, int, int]]:
+    """:func:`read_thread` of every thread of ``pid`` (empty off Linux)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    out = {}
+    for tid in tids:
+        got = read_thread(pid, tid)
+        if got is not None:
+            out[int(tid)] = got
+    return out
+
+
+def sched_per_token(before: dict, after: dict, pid: int, tokens: int, loop: bool) -> dict[str, float]:
+    """Per token, from two :func:`thread_counters` snapshots: the engine's threads (those that ran > 1
+    ms, the loop's thread excluded when ``loop``) runnable-but-waiting ms and preemptions; with ``loop``
+    the wakes of ``pid``'s main thread (the server's event loop)."""
+    out = {"engine_wait_ms_per_token": 0.0, "engine_preempted_per_token": 0.0}
+    for tid, b in after.items():
+        a = before.get(tid)
+        if a is None or (loop and tid == pid) or b[0] - a[0] < 1_000_000:
+            continue
+        out["engine_wait_ms_per_token"] += (b[1] - a[1]) / 1e6 / tokens
+        out["engine_preempted_per_token"] += (b[3] - a[3]) / tokens
+    if loop and pid in after and pid in before:
+        out["loop_wakes_per_token"] = (after[pid][2] - before[pid][2]) / tokens
+    return out
+
+
 def server_request(base: str, ids: list[int], n: int, client: str = "stdlib", pid: int | None = None) -> dict:
     """One streamed request through ``client`` (``stdlib``: ``http.client``, no event loop; ``httpx``:
     the asyncio client of ``segserve bench serve``); TPOT, the server's loop counters and this
@@ -140,8 +211,10 @@ def server_request(base: str, ids: list[int], n: int, client: str = "stdlib", pi
         return timing
 
     before, cpu0, loop0 = loop_counters(base), sum(os.times()[:2]), loop_thread_cpu_s(pid)
+    threads0 = thread_counters(pid) if pid is not None else {}
     timing = asyncio.run(with_httpx()) if client == "httpx" else sc.stream_one_blocking(url, body,
                                                                                           time.perf_counter())
+    threads1 = thread_counters(pid) if pid is not None else {}
     cpu1, loop1 = sum(os.times()[:2]), loop_thread_cpu_s(pid)
     after = loop_counters(base)
     if not timing.ok or len(timing.chunk_times) < 2:
@@ -151,7 +224,8 @@ def server_request(base: str, ids: list[int], n: int, client: str = "stdlib", pi
     return {"tpot_ms": 1000.0 * (times[-1] - times[0]) / (len(times) - 1), "tokens": len(times),
             "client_cpu_ms_per_token": 1000.0 * (cpu1 - cpu0) / len(times),
             "server_loop_cpu_ms_per_token": 1000.0 * (loop1 - loop0) / len(times),
-            **{f"{k}_ms_per_token": v for k, v in per_token.items()}}
+            **{f"{k}_ms_per_token": v for k, v in per_token.items()},
+            **(sched_per_token(threads0, threads1, pid, len(times), loop=True) if pid is not None else {})}
 
 
 # ---- offline -------------------------------------------------------------------------------------------
@@ -171,14 +245,44 @@ def offline_request(engine, ids: list[int], n: int, rid: str) -> dict:
     engine.add_request(rid, {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=n,
                                                                        ignore_eos=True))
     times, seen = [], 0
-    step0 = engine.step_seconds
+    step0, threads0 = engine.step_seconds, thread_counters(os.getpid())
     while engine.has_unfinished_requests():
         for out in engine.step():
             got = len(out.outputs[0].token_ids)
             times += [time.perf_counter()] * (got - seen)
             seen = got
+    threads1 = thread_counters(os.getpid())
     return {"tpot_ms": 1000.0 * (times[-1] - times[0]) / (len(times) - 1), "tokens": len(times),
-            "engine_step_seconds_ms_per_token": 1000.0 * (engine.step_seconds - step0) / len(times)}
+            "engine_step_seconds_ms_per_token": 1000.0 * (engine.step_seconds - step0) / len(times),
+            **sched_per_token(threads0, threads1, os.getpid(), len(times), loop=False)}
+
+
+_BURNER = """
+import sys, time
+period, burn = float(sys.argv[1]) / 1000, float(sys.argv[2]) / 1000
+t = time.perf_counter()
+while True:
+    t += period
+    time.sleep(max(0.0, t - time.perf_counter()))
+    end = time.perf_counter() + burn
+    while time.perf_counter() < end:
+        pass
+"""
+
+
+def burned_request(engine, ids: list[int], n: int, rid: str, burn: tuple[float, float]) -> dict:
+    """:func:`offline_request` beside a burner process (``burn`` = (period, ms)); adds the burner's CPU
+    ms per token."""
+    proc = subprocess.Popen([sys.executable, "-c", _BURNER, str(burn[0]), str(burn[1])])
+    try:
+        time.sleep(0.2)  # the interpreter's start-up is not part of the burn
+        cpu0 = sum(c[0] for c in thread_counters(proc.pid).values())
+        res = offline_request(engine, ids, n, rid)
+        cpu1 = sum(c[0] for c in thread_counters(proc.pid).values())
+    finally:
+        proc.kill()
+        proc.wait()
+    return res | {"burner_cpu_ms_per_token": (cpu1 - cpu0) / 1e6 / res["tokens"]}
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
@@ -190,7 +294,7 @@ def summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
         tpots = [r["tpot_ms"] for r in runs]
         out[name] = {"median_tpot_ms": statistics.median(tpots), "min_tpot_ms": min(tpots)}
         for key in runs[0]:
-            if key.endswith("_ms_per_token"):
+            if key.endswith("_per_token"):
                 out[name]["median_" + key] = statistics.median(r[key] for r in runs)
     base = out.get("offline")
     if base:
@@ -216,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = None if args.no_offline else offline_engine(args)
         clients = args.clients.split(",")
         variants = [f"{s}/{c}" if len(clients) > 1 else s for s in servers for c in clients]
-        variants += [] if engine is None else ["offline"]
+        variants += [] if engine is None else ["offline"] + (["offline_burn"] if args.burn else [])
         where = {v: (v.split("/")[0], v.split("/")[1] if "/" in v else clients[0]) for v in variants}
         rows: dict[str, list[dict]] = {v: [] for v in variants}
         warm = prompt_ids(args.seed + 99, args.prompt_len)
         for v in variants:  # one untimed request each: first-call costs in no figure
-            if v == "offline":
-                offline_request(engine, warm, 4, "warm")
+            if v.startswith("offline"):
+                offline_request(engine, warm, 4, f"warm-{v}")
             else:
                 server_request(servers[where[v][0]][3], warm, 4, where[v][1])
         loads = [os.getloadavg()[0]]
@@ -230,17 +334,21 @@ def main(argv: list[str] | None = None) -> int:
             order = variants if r % 2 == 0 else variants[::-1]
             for v in order:
                 ids = prompt_ids(args.seed + 1000 * r + variants.index(v), args.prompt_len)
-                res = (offline_request(engine, ids, args.output_len, f"r{r}") if v == "offline"
-                       else server_request(servers[where[v][0]][3], ids, args.output_len, where[v][1],
-                                         servers[where[v][0]][0].pid))
+                if v == "offline":
+                    res = offline_request(engine, ids, args.output_len, f"r{r}")
+                elif v == "offline_burn":
+                    res = burned_request(engine, ids, args.output_len, f"b{r}", args.burn)
+                else:
+                    proc, base = servers[where[v][0]][0], servers[where[v][0]][3]
+                    res = server_request(base, ids, args.output_len, where[v][1], proc.pid)
                 rows[v].append(res)
             loads.append(os.getloadavg()[0])
             print(f"round {r}: " + ", ".join(f"{v} {rows[v][-1]['tpot_ms']:.1f}" for v in variants)
                   + f" ms (load {loads[-1]:.2f})", flush=True)
         summary = summarize(rows)
         for v, s in summary.items():
-            extra = "".join(f", {k.removeprefix('median_').removesuffix('_ms_per_token')} {x:.1f}"
-                            for k, x in s.items() if k.endswith("_ms_per_token"))
+            extra = "".join(f", {k.removeprefix('median_').removesuffix('_per_token')} {x:.2f}"
+                            for k, x in s.items() if k.endswith("_per_token"))
             ratio = f" = {s['median_vs_offline']:.3f}x offline (min {s['min_vs_offline']:.3f}x)" \
                 if "median_vs_offline" in s else ""
             print(f"{v}: TPOT median {s['median_tpot_ms']:.2f} ms, min {s['min_tpot_ms']:.2f}{ratio}"
