@@ -71,6 +71,10 @@ class OutputStream:
 
     Outputs that pile up while the reader is busy are coalesced (each is cumulative), so a slow
     reader costs no memory per token. ``abort_if_unfinished`` stops the request in the engine.
+    A reader of several streams at once registers a callback with :meth:`listen` and takes outputs
+    with :meth:`take_nowait` instead of iterating: the event loop then wakes that reader directly, one
+    hop per token rather than a relay task's two (the server's per-token loop work shares the cores
+    with the model's threads: docs/perf.md "Twentieth session").
     """
 
     def __init__(self, owner: AsyncLLMEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -79,6 +83,8 @@ class OutputStream:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self._listener: Callable[[], None] | None = None
+        self._signalled = False  # the listener was called and the reader has not taken since
 
     def __aiter__(self) -> OutputStream:
         return self
@@ -86,7 +92,35 @@ class OutputStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        return self._newest(await self.queue.get())
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """On the loop's thread: queue an output, or the exception that ends the stream; call the
+        listener unless it was called since the reader last took."""
+        self.queue.put_nowait(item)
+        if self._listener is not None and not self._signalled:
+            self._signalled = True
+            self._listener()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` on the loop's thread whenever an output waits (once until
+        :meth:`take_nowait`); at once when outputs already wait."""
+        self._listener = listener
+        if not self.queue.empty():
+            self._signalled = True
+            listener()
+
+    def take_nowait(self) -> RequestOutput | None:
+        """The newest waiting output (older ones coalesced), or None when none waits.
+
+        Raises:
+            BaseException: the one that ended the stream (``EngineDeadError``, a step's failure)."""
+        self._signalled = False
+        if self.queue.empty():
+            return None
+        return self._newest(self.queue.get_nowait())
+
+    def _newest(self, item: RequestOutput | BaseException) -> RequestOutput:
         while not self.queue.empty() and not isinstance(item, BaseException):
             item = self.queue.get_nowait()
         if isinstance(item, BaseException):
@@ -359,4 +393,4 @@ class AsyncLLMEngine:
 def _put_all(items: list[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
     """On the streams' event loop: hand each output to its stream."""
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.put(item)

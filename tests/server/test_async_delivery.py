@@ -51,3 +51,88 @@ def test_one_hand_over_per_step_carries_every_stream_that_progressed(tiny_loaded
         engine.shutdown()
     # Prompts fit one step, then 3 decode steps: 4 steps, each handing all 3 streams over at once.
     assert hand_overs == [3, 3, 3, 3]
+
+
+class _Out:
+    """A stand-in ``RequestOutput``: what ``OutputStream`` reads of one is ``finished``."""
+
+    def __init__(self, n: int, finished: bool = False) -> None:
+        self.n, self.finished = n, finished
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_a_listened_stream_signals_once_until_taken_and_coalesces() -> None:
+    async def run() -> None:
+        stream = async_engine.OutputStream(_Owner(), "r", asyncio.get_running_loop())
+        stream.put(_Out(1))
+        calls: list[int] = []
+        stream.listen(lambda: calls.append(len(calls)))
+        assert calls == [0]  # an output already waited
+        stream.put(_Out(2))
+        assert calls == [0]  # not taken since the last signal
+        assert stream.take_nowait().n == 2  # outputs 1 and 2 coalesced: the newest
+        assert stream.take_nowait() is None and calls == [0]
+        stream.put(_Out(3, finished=True))
+        assert calls == [0, 1]
+        assert stream.take_nowait().n == 3 and stream.finished
+        stream.abort_if_unfinished()  # finished: nothing to abort
+        assert stream.owner.aborted == []
+
+    asyncio.run(run())
+
+
+def test_a_stream_ended_by_an_exception_raises_it_on_take() -> None:
+    async def run() -> None:
+        stream = async_engine.OutputStream(_Owner(), "r", asyncio.get_running_loop())
+        stream.listen(lambda: None)
+        stream.put(_Out(1))
+        stream.put(async_engine.EngineDeadError("gone"))
+        try:
+            stream.take_nowait()
+        except async_engine.EngineDeadError as exc:
+            assert str(exc) == "gone" and stream.finished
+        else:
+            raise AssertionError("the stream's exception was not raised")
+
+    asyncio.run(run())
+
+
+def test_the_server_reads_its_streams_with_no_relay_task(tiny_loaded, tiny_offline):
+    """``until_disconnected`` runs beside one task only, the disconnect watcher: the streams wake it
+    directly (a relay task per stream cost the event loop a second wake-up per token)."""
+    from segserve.entrypoints.openai.serving import until_disconnected
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in tiny_offline.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    engine = AsyncLLMEngine(LLMEngine(tiny_loaded, **TINY_ENGINE))
+    engine.start()
+
+    class Connected:
+        async def receive(self) -> dict:
+            await asyncio.Event().wait()  # the client never leaves
+
+    async def run() -> tuple[list[list[int]], list[int]]:
+        streams = [await engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+                   for i, p in enumerate(prompts)]
+        finals: list[list[int]] = [[], []]
+        tasks_seen = []
+        async for i, out in until_disconnected(streams, Connected()):
+            finals[i] = list(out.outputs[0].token_ids)
+            tasks_seen.append(len(asyncio.all_tasks()))
+        return finals, tasks_seen
+
+    try:
+        finals, tasks_seen = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert finals == expected
+    assert set(tasks_seen) == {2}  # this coroutine's task and the watcher

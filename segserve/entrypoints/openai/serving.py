@@ -11,6 +11,7 @@ request, so its KV blocks return to the pool before the next step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import uuid
@@ -107,27 +108,22 @@ async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
     q.put_nowait(_DISCONNECTED)
 
 
-async def _pump(i: int, stream: OutputStream, q: asyncio.Queue) -> None:
-    """Forward one stream's outputs (or its exception) into ``q``; ``(i, None)`` marks its end."""
-    try:
-        async for out in stream:
-            q.put_nowait((i, out))
-    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-        q.put_nowait((i, exc))
-    q.put_nowait((i, None))
-
-
 async def until_disconnected(streams: list[OutputStream], request: Request
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) of every stream as outputs arrive (one stream per prompt), while the
     client is connected; every unfinished request is aborted when the client leaves or the consumer
     stops early (after vLLM's ``merge_async_iterators`` and ``iterate_with_cancellation``).
 
-    The streams and the disconnect watcher feed one queue, so each output costs one ``await`` here
-    (no task or ``asyncio.wait`` per token: this runs once per token of every stream)."""
+    Each stream signals its index into one queue (``OutputStream.listen``), as does the disconnect
+    watcher, so each output costs one ``await`` here and wakes nothing else: this runs once per token of
+    every stream, on the cores the model's threads need.
+
+    Raises:
+        BaseException: the one that ended a stream (the others are aborted)."""
     q: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.ensure_future(_pump(i, s, q)) for i, s in enumerate(streams)]
-    tasks.append(asyncio.ensure_future(_watch_disconnect(request, q)))
+    for i, stream in enumerate(streams):
+        stream.listen(functools.partial(q.put_nowait, i))
+    watcher = asyncio.ensure_future(_watch_disconnect(request, q))
     try:
         left = len(streams)
         while left:
@@ -135,19 +131,18 @@ async def until_disconnected(streams: list[OutputStream], request: Request
             if entry is _DISCONNECTED:
                 logger.info("client of %s disconnected", streams[0].request_id)
                 return
-            i, item = entry
-            if item is None:
+            stream = streams[entry]
+            out = stream.take_nowait()
+            if out is None:
+                continue
+            if stream.finished:
                 left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+            yield entry, out
     finally:
         for stream in streams:
             stream.abort_if_unfinished()
-        # Cancelling (not just dropping) pending tasks keeps them alive until they finish unwinding.
-        for task in tasks:
-            task.cancel()
+        # Cancelling (not just dropping) the watcher keeps it alive until it finishes unwinding.
+        watcher.cancel()
 
 
 def sse(model: p.BaseModel | dict) -> str:
