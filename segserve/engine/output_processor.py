@@ -23,6 +23,9 @@ class _Completion:
     index: int
     detokenizer: IncrementalDetokenizer
     want_logprobs: bool
+    # Keep the text of a stop token id (or EOS) that ends the completion (vLLM's include_stop_str_in_output
+    # covers both stop strings and stop tokens).
+    keep_stop_token_text: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -105,6 +108,7 @@ class OutputProcessor:
                     min_tokens=params.min_tokens,
                 ),
                 want_logprobs=params.logprobs is not None,
+                keep_stop_token_text=params.include_stop_str_in_output,
             )
             for i in range(params.n)
         ]
@@ -168,7 +172,12 @@ class OutputProcessor:
 
     def _append_tokens(self, state: RequestState, completion: _Completion, out: EngineCoreOutput, now: float):
         completion.token_ids.extend(out.new_token_ids)
-        completion.detokenizer.update(out.new_token_ids)
+        text_ids = out.new_token_ids
+        if out.finish_reason == "stop" and not completion.keep_stop_token_text:
+            # The scheduler stops on token ids (EOS, stop_token_ids): vLLM's detokenizer leaves the last
+            # one out of the text ("stop_terminated"); the token stays in token_ids.
+            text_ids = text_ids[:-1]
+        completion.detokenizer.update(text_ids)
         if completion.want_logprobs and out.logprobs:
             for entries in out.logprobs:
                 completion.logprobs.append(self._position(entries))

@@ -204,3 +204,36 @@ def test_request_outputs_hold_back_a_possible_stop_string() -> None:
     assert texts[-2] == "the cat sat on the "  # "mat" could still become "mat!": held back
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
     assert texts[-1] == "the cat sat on the mat" and outs[0].finished
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stop_by", ["stop_token_ids", "eos"])
+def test_the_token_that_stops_a_request_is_left_out_of_its_text(include: bool, stop_by: str) -> None:
+    """Regression (a fresh user's trial, 2026-12-05): a request ended by a stop token id (or EOS with
+    ``skip_special_tokens=False``) had that token's text at the end of its output (" 4," for stop id
+    ","). vLLM leaves it out of the text unless ``include_stop_str_in_output`` (its detokenizer's
+    ``stop_terminated``); the token id stays in ``token_ids`` either way."""
+    from segserve.core.scheduler import EngineCoreOutput
+    from segserve.engine.output_processor import OutputProcessor
+    from segserve.sampling_params import SamplingParams
+
+    tokenizer = _tiny_bpe()
+    ids = _ids(tokenizer, "the cat sat on")
+    stop_id = _ids(tokenizer, " the")[0] if stop_by == "stop_token_ids" else tokenizer.eos_token_id
+    assert stop_id not in ids
+    params = SamplingParams(max_tokens=20, include_stop_str_in_output=include, skip_special_tokens=False,
+                            stop_token_ids=[stop_id] if stop_by == "stop_token_ids" else None)
+    proc = OutputProcessor(tokenizer)
+    state = proc.make_state("r", None, [5, 6], params, 0.0)
+    proc.add(state, ["r"])
+    texts = []
+    for i, token in enumerate([*ids, stop_id]):
+        last = i == len(ids)
+        outs, _ = proc.process([EngineCoreOutput("r", [token], finish_reason="stop" if last else None,
+                                                 stop_reason=stop_id if last and stop_by != "eos" else None)])
+        texts.append(outs[0].outputs[0].text)
+    done = outs[0].outputs[0]
+    stop_text = tokenizer.decode([stop_id], skip_special_tokens=False)
+    assert done.token_ids[-1] == stop_id and done.finish_reason == "stop" and outs[0].finished
+    assert done.text == "the cat sat on" + (stop_text if include else "")
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
