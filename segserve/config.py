@@ -6,7 +6,7 @@ from these alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SUPPORTED_KV_SEGMENT_SIZES = (512, 1024, 2048, 4096)
 SCHEDULING_POLICIES = ("decode_first", "prefill_first")
@@ -212,6 +212,43 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         """Columns of a block-table row: ``cdiv(max_model_len, block_size)``."""
         return cdiv(self.scheduler.max_model_len, self.cache.block_size)
+
+
+# ``max_model_len`` -1 (flag value ``auto``): the model's context length, lowered to what the KV cache
+# holds (vLLM's -1 / "auto").
+AUTO_MAX_MODEL_LEN = -1
+
+
+def fit_max_model_len(config: EngineConfig, num_kv_blocks: int, auto: bool) -> EngineConfig:
+    """``config``, checked against a KV pool of ``num_kv_blocks`` blocks (the null block included).
+
+    A request of ``max_model_len`` tokens must fit the pool, else it could never run (a client that
+    omits ``max_tokens`` asks for up to that many): vLLM refuses to start then
+    (``check_enough_kv_cache_memory``), and with ``max_model_len`` -1 ("auto") lowers it to what the
+    cache holds instead. The engine passes ``auto`` also when no length was given (the model's would
+    not fit): vLLM refuses that case too, but a small pool given on purpose (``num_kv_blocks``) is then
+    served with the length it can hold, logged, rather than refused.
+
+    Returns:
+        ``config`` itself when the pool holds ``max_model_len`` tokens; with ``auto``, a copy whose
+        ``max_model_len`` is the pool's capacity, ``(num_kv_blocks - 1) * block_size`` tokens.
+
+    Raises:
+        ValueError: the pool holds fewer tokens than ``max_model_len`` (not ``auto``), or fewer than 2;
+            naming both and the settings that would fit.
+    """
+    block_size, max_len = config.cache.block_size, config.scheduler.max_model_len
+    capacity = (num_kv_blocks - 1) * block_size
+    if capacity >= max_len:
+        return config
+    if auto and capacity >= 2:
+        return replace(config, scheduler=replace(config.scheduler, max_model_len=capacity))
+    raise ValueError(
+        f"max_model_len={max_len} does not fit the KV cache, which holds {capacity} tokens "
+        f"({num_kv_blocks - 1} blocks of {block_size}): a request of max_model_len tokens could never "
+        f"run. Give a larger cache (num_kv_blocks >= {cdiv(max_len, block_size) + 1}, or more "
+        f"kv_cache_memory), max_model_len <= {capacity}, or max_model_len -1 (auto: the largest that fits)"
+    )
 
 
 def num_kv_blocks_for(config: EngineConfig, kv_bytes_per_token: int) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from segserve.config import (
+    AUTO_MAX_MODEL_LEN,
     QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
     SUPPORTED_KV_SEGMENT_SIZES,
@@ -66,9 +67,18 @@ def _cost_tokens(text: str) -> int | str:
 
 
 def _budget(text: str) -> int | str:
-    """``--max-num-batched-tokens``: an integer >= 1, or ``auto`` (sized from the step profile by the
-    commands that support it: ``serve``, ``simulate``)."""
-    return _int_or_auto(text, 1)
+    """``--max-num-batched-tokens``: an integer >= 1 (:func:`human_int`'s forms, as vLLM: ``2k``, ``4K``),
+    or ``auto`` (sized from the step profile by the commands that support it: ``serve``, ``simulate``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = human_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1 or 'auto' (as 2048, 2k or 2K), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -90,7 +100,9 @@ class EngineArgs:
         num_kv_blocks: KV blocks including the null block; None sizes the pool from
             ``kv_cache_memory_bytes`` (``config.num_kv_blocks_for``).
         kv_cache_memory_bytes: KV cache budget, bytes (flag ``--kv-cache-memory``, GiB).
-        max_model_len: tokens per request (prompt + output); None (or 0): the model's context length.
+        max_model_len: tokens per request (prompt + output); None (or 0): the model's context length;
+            -1 (``AUTO_MAX_MODEL_LEN``, flag value ``auto``) too; either is lowered to what the KV cache
+            holds (``config.fit_max_model_len``), while a given length the cache cannot hold is an error.
         max_num_batched_tokens: per-step token budget.
         max_num_seqs: running requests at once.
         enable_prefix_caching: reuse cached full blocks of shared prefixes.
@@ -134,7 +146,8 @@ class EngineArgs:
             ValueError: ``max_model_len`` above ``model_max_len``, or any setting out of range
                 (the config classes' messages, naming the setting and the allowed range).
         """
-        if self.max_model_len is not None and self.max_model_len > model_max_len:
+        given = self.max_model_len not in (None, 0, AUTO_MAX_MODEL_LEN)
+        if given and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's context length {model_max_len}"
             )
@@ -146,7 +159,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
-                max_model_len=self.max_model_len or model_max_len,
+                max_model_len=self.max_model_len if given else model_max_len,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
                 num_batched_tokens_buckets=tuple(buckets) if buckets else None,
@@ -169,7 +182,7 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
             )
-        self.create_engine_config(model_max_len=self.max_model_len or 2)
+        self.create_engine_config(model_max_len=max(self.max_model_len or 2, 2))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -206,25 +219,47 @@ class EngineArgs:
         return cls(**given)
 
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
 def human_int(text: str) -> int:
-    """A byte count: ``"4000000"``, ``"4G"`` (10^9) or ``"4Gi"`` (2^30); decimals allowed with a unit.
+    """vLLM's human-readable integers (its ``human_readable_int``): ``"25600"``, ``"25.6k"`` (lower-case
+    k m g t: 10^3 .. 10^12, decimals allowed) or ``"4G"`` (upper-case K M G T: 2^10 .. 2^40, whole numbers
+    only); ``"4Gi"`` / ``"4gi"`` is binary too.
 
     Raises:
         argparse.ArgumentTypeError: naming the value.
     """
     import re
 
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?)?\s*", text)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kKmMgGtT])(i?))?\s*", text)
     if m is None:
-        raise argparse.ArgumentTypeError(f"expected bytes such as 4000000, 4G or 4Gi, got {text!r}")
-    unit = _UNITS[(m.group(2) or "").lower()]
-    if unit == 1 and "." in m.group(1):
-        raise argparse.ArgumentTypeError(f"a byte count without a unit must be whole, got {text!r}")
-    return int(float(m.group(1)) * unit)
+        raise argparse.ArgumentTypeError(
+            f"expected an integer such as 4000, 4k (4 x 10^3) or 4K (4 x 2^10), got {text!r}")
+    number, letter, binary = m.groups()
+    if letter is None:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"a count without a unit must be whole, got {text!r}")
+        return int(number)
+    if binary or letter.isupper():
+        if "." in number:
+            raise argparse.ArgumentTypeError(
+                f"decimals are not allowed with the binary suffix {letter}{binary} in {text!r}; did you "
+                f"mean {number}{letter.lower()}?")
+        return int(number) * 2 ** (10 * "KMGT".index(letter.upper()) + 10)
+    return int(float(number) * 10 ** (3 * "kmgt".index(letter) + 3))
+
+
+def _model_len(text: str) -> int:
+    """``--max-model-len``: an integer >= 2 in :func:`human_int`'s forms, or ``-1`` / ``auto`` (vLLM's:
+    the model's context length, lowered to what the KV cache holds)."""
+    if text.strip().lower() in ("-1", "auto"):
+        return AUTO_MAX_MODEL_LEN
+    try:
+        value = human_int(text)
+    except argparse.ArgumentTypeError:
+        value = None
+    if value is None or value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 2, -1 or 'auto' (as 8192, 8k or 8K), got {text!r}")
+    return value
 
 
 # (field, argparse options) of each engine flag, in ``--help`` order. The flag is the field with
@@ -244,7 +279,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("block_size", dict(type=int, help="tokens per KV block")),
     ("num_kv_blocks", dict(type=int, help="KV blocks (default: from --kv-cache-memory)")),
     ("kv_cache_memory_bytes", dict(type=_gib, help="KV cache budget, GiB")),
-    ("max_model_len", dict(type=int, help="tokens per request (default: model's)")),
+    ("max_model_len", dict(type=_model_len, help="tokens per request (default: the model's; -1 or auto: the "
+                           "model's, lowered to what the KV cache holds; 2k, 4K forms as vLLM)")),
     ("max_num_batched_tokens", dict(type=_budget, help="per-step token budget, or auto (serve, simulate)")),
     ("max_num_seqs", dict(type=int, help="running requests at once")),
     ("enable_prefix_caching", dict(action=argparse.BooleanOptionalAction, help="reuse shared prefixes")),

@@ -18,7 +18,7 @@ import torch
 
 from segserve import malloc
 from segserve.attention.backends import AttentionBackend, get_attention_backend
-from segserve.config import num_kv_blocks_for
+from segserve.config import AUTO_MAX_MODEL_LEN, fit_max_model_len, num_kv_blocks_for
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import SchedulerOutput
@@ -124,6 +124,14 @@ class LLMEngine:
         self.eos_token_id = self.loaded.eos_token_ids[0] if self.loaded.eos_token_ids else None
         bytes_per_token = kv_cache_bytes_per_token(model_config, torch_dtype)
         self.num_kv_blocks = num_kv_blocks_for(self.config, bytes_per_token)
+        # Not given (or -1): the model's length, lowered to what the cache holds; given: it must fit.
+        fitted = fit_max_model_len(self.config, self.num_kv_blocks,
+                                   auto=args.max_model_len in (None, 0, AUTO_MAX_MODEL_LEN))
+        if fitted is not self.config:
+            logger.warning("max_model_len lowered from %d to %d tokens: what the KV cache (%d blocks of %d) "
+                           "holds", self.config.scheduler.max_model_len, fitted.scheduler.max_model_len,
+                           self.num_kv_blocks - 1, self.config.cache.block_size)
+        self.config = fitted
         self.scheduler = Scheduler(self.config, self.num_kv_blocks)
         self.runner = ModelRunner(
             self.loaded.model,

@@ -111,3 +111,24 @@ def test_full_waiting_queue_answers_503_and_keeps_serving(tiny_loaded):
         assert all(a.json()["usage"]["completion_tokens"] == 40 for a in answers)
         assert _post(handle.base_url, CMPL, GOOD).status_code == 200
         handle.assert_idle_and_clean()
+
+
+def test_a_cache_smaller_than_the_model_length_serves_requests_without_max_tokens(tiny_loaded):
+    """Regression (a fresh user's trial, 2026-12-05): with a KV cache smaller than the model's context
+    (``--num-kv-blocks 8``) the server started at max_model_len 8192 and refused every chat request
+    without ``max_tokens`` (it asked for up to 8192 tokens of cache). The length is now lowered to
+    what the cache holds, reported by /v1/models, and such requests run to it."""
+    from segserve import LLMEngine
+
+    engine = LLMEngine(tiny_loaded, block_size=8, num_kv_blocks=9)  # 64 tokens; the model's 128
+    assert engine.max_model_len == 64
+    with running_server(engine) as (handle, _):
+        models = httpx.get(f"{handle.base_url}/v1/models").json()["data"]
+        assert [m["max_model_len"] for m in models] == [64]
+        r = httpx.post(f"{handle.base_url}/v1/chat/completions", timeout=60,
+                       json={"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
+                             "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+        handle.assert_idle_and_clean()

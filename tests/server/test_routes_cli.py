@@ -100,7 +100,10 @@ def test_serve_takes_the_model_positionally_and_vllm_flags():
     resolve_model_arg(args)
     assert args.model == "/models/y"
     assert EngineArgs.from_cli_args(args).kv_cache_memory_bytes == 1_500_000_000
+    # vLLM's human_readable_int: upper-case suffixes are binary, lower-case decimal.
     three = EngineArgs.from_cli_args(_serve_args(["--kv-cache-memory-bytes", "3G"]))
+    assert three.kv_cache_memory_bytes == 3 * 2**30
+    three = EngineArgs.from_cli_args(_serve_args(["--kv-cache-memory-bytes", "3g"]))
     assert three.kv_cache_memory_bytes == 3 * 10**9
     twice = _serve_args(["/models/a", "--model", "/models/b"])
     with pytest.raises(ValueError, match="given twice"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 from core_helpers import output_without
@@ -170,6 +171,60 @@ def test_kv_cache_memory_flag_names_its_unit(capsys):
     with pytest.raises(SystemExit):
         parse(["--kv-cache-memory", "0"])
     assert "--kv-cache-memory: must be a finite number of GiB > 0, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("4096", 4096), ("4k", 4000), ("4K", 4096), ("2.5k", 2500), ("1m", 10**6), ("1M", 2**20), ("1G", 2**30),
+    ("1g", 10**9), ("2Gi", 2 * 2**30), ("2gi", 2 * 2**30)])
+def test_counts_take_vllms_human_readable_forms(text, value):
+    # vLLM's human_readable_int: lower-case suffixes decimal, upper-case binary (plus our "Gi" forms).
+    from segserve.engine_args import human_int
+
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("1.5K", "decimals are not allowed with the binary suffix K in '1.5K'; did you mean 1.5k?"),
+    ("1.5", "a count without a unit must be whole, got '1.5'"), ("lots", "expected an integer such as 4000")])
+def test_a_count_in_no_such_form_is_refused_naming_it(text, message):
+    from segserve.engine_args import human_int
+
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        human_int(text)
+
+
+def test_max_model_len_and_the_budget_take_vllms_forms(capsys):
+    assert parse(["--max-model-len", "1k", "--max-num-batched-tokens", "2K"]) == EngineArgs(
+        max_model_len=1000, max_num_batched_tokens=2048)
+    assert parse(["--max-model-len", "auto"]).max_model_len == -1
+    assert parse(["--max-model-len", "-1"]).max_model_len == -1
+    # -1: the model's length (lowered to the cache by the engine), as None.
+    assert EngineArgs(max_model_len=-1).create_engine_config(2048).scheduler.max_model_len == 2048
+    EngineArgs(max_model_len=-1).check()
+    for bad in ("0", "1", "-2", "auot"):
+        with pytest.raises(SystemExit):
+            parse(["--max-model-len", bad])
+        err = capsys.readouterr().err
+        want = f"--max-model-len: must be an integer >= 2, -1 or 'auto' (as 8192, 8k or 8K), got '{bad}'"
+        assert want in err
+    with pytest.raises(SystemExit):
+        parse(["--max-num-batched-tokens", "0"])
+    assert "--max-num-batched-tokens: must be an integer >= 1 or 'auto', got 0" in capsys.readouterr().err
+
+
+def test_a_pool_too_small_for_max_model_len_lowers_it_when_not_given_and_refuses_it_when_given():
+    from segserve.config import fit_max_model_len
+
+    config = EngineArgs(block_size=16).create_engine_config(8192)
+    assert fit_max_model_len(config, 513, auto=False) is config  # 512 blocks of 16: 8,192 tokens
+    lowered = fit_max_model_len(config, 8, auto=True)
+    assert lowered.scheduler.max_model_len == 112 and lowered.cache == config.cache
+    assert dataclasses.replace(lowered.scheduler, max_model_len=8192) == config.scheduler
+    with pytest.raises(ValueError, match=r"^max_model_len=8192 does not fit the KV cache, which holds 112 "
+                                         r"tokens \(7 blocks of 16\).*num_kv_blocks >= 513"):
+        fit_max_model_len(config, 8, auto=False)
+    with pytest.raises(ValueError, match="holds 0 tokens"):  # only the null block: nothing fits
+        fit_max_model_len(config, 1, auto=True)
 
 
 def test_builder_imports_without_torch():

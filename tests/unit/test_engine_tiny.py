@@ -100,9 +100,16 @@ def test_engine_builds_through_engine_args_the_same_from_keywords_and_flags(tiny
     assert flags.config == keywords.config
     assert keywords.config.scheduler.max_num_partial_prefills == 2
     assert keywords.num_kv_blocks == flags.num_kv_blocks == 3 * 16 + 1  # 3 rows of 64 / 4 blocks, + null
-    # max_model_len unset: the model's 128; the pool is what 10.99 blocks of memory hold, + null.
+    # max_model_len unset: the model's 128, lowered to what the pool holds (10.99 blocks of memory: 10 of
+    # 4 tokens, + null); given, it must fit.
     sized = LLMEngine(keywords.loaded, block_size=4, kv_cache_memory_bytes=11 * 2048 - 1)
-    assert sized.max_model_len == 128 and sized.num_kv_blocks == 11
+    assert sized.max_model_len == 40 and sized.num_kv_blocks == 11
+    fits = LLMEngine(keywords.loaded, block_size=4, kv_cache_memory_bytes=11 * 2048 - 1, max_model_len=40)
+    assert fits.config == sized.config
+    with pytest.raises(ValueError, match=r"^max_model_len=41 does not fit the KV cache, which holds 40 "
+                                         r"tokens \(10 blocks of 4\).*\(num_kv_blocks >= 12.* max_model_len "
+                                         r"<= 40, or max_model_len -1 \(auto"):
+        LLMEngine(keywords.loaded, block_size=4, kv_cache_memory_bytes=11 * 2048 - 1, max_model_len=41)
     # malloc.prefault for the first large step: the budget (LLMEngine's default, 512) x the model's
     # activation bytes a token (under 1 MB for this model), in 16 MiB pieces: one.
     from segserve import malloc
@@ -256,7 +263,7 @@ def test_prompt_logprobs_of_a_preempted_request_are_sent_once(tiny):
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
     prompts = [list(range(10, 30)), list(range(40, 60))]
     llm = LLM(model=str(root / "hf"), num_kv_blocks=9, block_size=4, max_num_batched_tokens=16,
-              max_model_len=128, enable_prefix_caching=False)
+              max_model_len=32, enable_prefix_caching=False)  # what 8 blocks hold: 30 tokens a request
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert llm.llm_engine.scheduler.make_stats().num_preemptions >= 1
     alone = LLM(model=str(root / "hf"), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,

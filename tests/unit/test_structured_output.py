@@ -144,7 +144,7 @@ def test_chunking_prefix_cache_and_preemption_keep_constrained_greedy_output(loa
     prompts = [p * 3 for p in PROMPTS]
     reference = LLM(loaded, **ENGINE).generate(prompts, params, use_tqdm=False)
     # 5-token chunks; a pool so small that the four requests preempt each other.
-    small = LLM(loaded, **{**ENGINE, "max_num_batched_tokens": 5, "num_kv_blocks": 30})
+    small = LLM(loaded, **{**ENGINE, "max_num_batched_tokens": 5, "num_kv_blocks": 30, "max_model_len": -1})
     cold = small.generate(prompts, params, use_tqdm=False)
     warm = small.generate(prompts, params, use_tqdm=False)
     stats = small.llm_engine.scheduler.make_stats()
