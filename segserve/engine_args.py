@@ -193,8 +193,8 @@ class EngineArgs:
             if name == "kv_cache_memory_bytes":
                 g.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory_bytes / GIB, **options)
                 g.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
-                               help="KV cache budget in bytes, vLLM's flag (1G = 10^9, 1Gi = 2^30); wins "
-                               "over --kv-cache-memory")
+                               help="KV cache budget in bytes, vLLM's flag (1G = 1Gi = 2^30, 1g = 10^9); "
+                               "wins over --kv-cache-memory")
             else:
                 g.add_argument("--" + name.replace("_", "-"), default=getattr(EngineArgs, name), **options)
 
