@@ -23,7 +23,7 @@ CASES = [
     (CMPL, {**GOOD, "max_tokens": 0}, 400, "max_tokens", ">= 1, got 0"),
     (CMPL, {**GOOD, "max_tokens": -5}, 400, "max_tokens", "got -5"),
     (CHAT, {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 0}, 400, "max_tokens", "got 0"),
-    (CMPL, {**GOOD, "temperature": -0.5}, 400, "temperature", ">= 0, got -0.5"),
+    (CMPL, {**GOOD, "temperature": -0.5}, 400, "temperature", "temperature must be in [0, 2], got -0.5"),
     (CMPL, {**GOOD, "top_p": 0}, 400, "top_p", "(0, 1], got 0.0"),
     (CMPL, {**GOOD, "top_p": 1.5}, 400, "top_p", "(0, 1], got 1.5"),
     (CHAT, {"model": SERVED_NAME, "messages": MSGS, "top_p": 0}, 400, "top_p", "(0, 1]"),
@@ -48,8 +48,8 @@ CASES = [
     # "Value error, " and a second "(got ...)", the chat limit named max_tokens, no param for a check
     # across fields, tokenizer internals for a lone surrogate, no word of UTF-8 for a non-UTF-8 body.
     (CMPL, {**GOOD, "stop": ["zz"] * 65}, 400, "stop", "stop holds 65 strings, more than the limit of 64"),
-    (CMPL, {**GOOD, "temperature": 3}, 400, "temperature",
-     "temperature: temperature must be in [0, 2], got 3"),
+    (CMPL, {**GOOD, "temperature": 3}, 400, "temperature", "temperature must be in [0, 2], got 3"),
+    (CMPL, {**GOOD, "seed": 2**64}, 400, "seed", "seed must be in [-2^63, 2^63 - 1], got"),
     (CHAT, {"model": SERVED_NAME, "messages": MSGS, "max_completion_tokens": -5}, 400,
      "max_completion_tokens", "max_completion_tokens must be an int >= 1, got -5"),
     (CMPL, {**GOOD, "min_tokens": 10, "max_tokens": 2}, 400, "min_tokens",
@@ -76,6 +76,8 @@ def test_bad_input_answers_in_openai_shape_then_good_request_works(tiny_server, 
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"], error
     assert "Value error" not in error["message"] and error["message"].count("got ") <= 1, error
+    # The field is named once (a second trial: "temperature: temperature must be in [0, 2], got 3").
+    assert param is None or not error["message"].startswith(f"{param}: {param} "), error
     assert error["param"] == param
     good = _post(handle.base_url, CMPL, GOOD)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2

@@ -53,7 +53,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if param is None:  # a check across fields starts with the field it blames (min_tokens=5 ...)
             first = leading_name(message)
             param = first if isinstance(exc.body, dict) and first in exc.body else None
-        return (f"{where}: {message}" if loc else message), param
+        # Our messages start with the field's name ("temperature must be ..."): no second one before it.
+        named = bool(loc) and leading_name(message) == loc[-1]
+        return (f"{where}: {message}" if loc and not named else message), param
     return f"{where}: {err.get('msg')} (got {quote(err.get('input'))})", param
 
 

@@ -69,7 +69,7 @@ class StrictSampling(StrictRequest):
     @field_validator("temperature", check_fields=False)
     @classmethod
     def _temperature_in_range(cls, v: float | None) -> float | None:
-        if v is not None and v > MAX_TEMPERATURE:
+        if v is not None and not 0 <= v <= MAX_TEMPERATURE:  # one message for both ends
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {v:g}")
         return v
 
