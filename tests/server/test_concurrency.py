@@ -133,3 +133,33 @@ def test_load_200_requests_concurrency_16_and_metrics_match(tiny_server):
     assert phase_edges[:3] == [0.3, 0.5, 0.8] and phase_edges[-2:] == [7680.0, float("inf")]
     assert metric(after, "vllm:num_requests_running") == metric(after, "vllm:num_requests_waiting") == 0
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_request_of_n_completions_counts_as_n_requests(tiny_server):
+    """Regression (a fresh user's trial, 2026-12-05): n=2 counted once in vllm:request_success and the
+    per-request histograms, and its prompt once; vLLM runs each completion as a request of its own and
+    counts n of each."""
+    handle, _ = tiny_server
+    before = scrape(handle.base_url)
+    body = {"model": SERVED_NAME, "prompt": "The quick brown fox", "max_tokens": 4, "n": 3,
+            "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    r = httpx.post(f"{handle.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 12
+    handle.assert_idle_and_clean()
+    after = scrape(handle.base_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="length") == 3
+    assert delta("vllm:prompt_tokens_total") == 3 * usage["prompt_tokens"]
+    assert delta("vllm:generation_tokens_total") == 12
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert delta(f"vllm:{hist}_count") == 3, hist
+    assert delta("vllm:request_prompt_tokens_sum") == 3 * usage["prompt_tokens"]
+    assert delta("vllm:request_generation_tokens_sum") == 12
+    assert delta("vllm:inter_token_latency_seconds_count") == 3 * 3  # each completion's gaps

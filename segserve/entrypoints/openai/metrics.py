@@ -11,7 +11,9 @@ written for vLLM read them unchanged: ``vllm:num_requests_running``/``waiting``,
 ``max_model_len``) and ``vllm:request_prefill_time_seconds`` (first scheduled to first token),
 ``vllm:request_decode_time_seconds`` (first to last token), ``vllm:request_inference_time_seconds``
 (first scheduled to last token), with vLLM 0.32's request-latency buckets; per step
-``vllm:iteration_tokens_total`` (prompt tokens computed plus tokens generated). Every metric carries
+``vllm:iteration_tokens_total`` (prompt tokens computed plus tokens generated). A request of ``n``
+completions counts as ``n`` requests (successes, prompts, latencies), as vLLM, whose engine runs each
+completion as a request. Every metric carries
 vLLM v1's labels ``model_name`` and ``engine`` (``"0"``: one engine). Counters carry the ``_total``
 suffix in the exposition, as ``prometheus_client`` writes them.
 
@@ -129,8 +131,9 @@ class EngineMetrics:
         self._monitored_steps = 0
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
-        # Request id -> time of its latest token (completion 0), for inter-token latency.
-        self._last_token: dict[str, float] = {}
+        # Request id -> per completion: tokens seen, and the time of its latest (inter-token latency).
+        self._seen: dict[str, list[int]] = {}
+        self._last_token: dict[str, list[float]] = {}
 
     def _of(self, metric):
         """``metric``'s child for this model's labels, looked up once: ``labels()`` checks and locks on
@@ -193,43 +196,62 @@ class EngineMetrics:
         self._last_preemptions = preemptions
 
     def _request_step(self, out: RequestOutput, new_tokens: int, now: float) -> None:
+        """One request's progress in a step. Each of its ``n`` completions counts as a request, as in
+        vLLM, whose engine runs each as a request of its own: its own prompt, first token, gaps between
+        its tokens, finish."""
         m = out.metrics
+        n = len(out.outputs)
+        seen = self._seen.setdefault(out.request_id, [0] * n)  # tokens so far, per completion
+        last = self._last_token.setdefault(out.request_id, [0.0] * n)  # time of its latest token
         self._of(self.generation_tokens).inc(new_tokens)
-        first = out.request_id not in self._last_token
-        if new_tokens and first:
-            self._of(self.prompt_tokens).inc(len(out.prompt_token_ids))
-            if m is not None and m.ttft is not None:
-                self._of(self.ttft).observe(m.ttft)
-            if m is not None and m.time_in_queue is not None:
-                self._of(self.queue_time).observe(m.time_in_queue)
-        elif new_tokens:
-            self._of(self.itl).observe(now - self._last_token[out.request_id])
-        if new_tokens:
-            self._last_token[out.request_id] = now
+        for c in out.outputs:
+            got = len(c.token_ids) - seen[c.index]
+            if got <= 0:
+                continue
+            if seen[c.index] == 0:
+                self._of(self.prompt_tokens).inc(len(out.prompt_token_ids))
+                if m is not None and m.ttft is not None:  # completion 0's is the request's own
+                    self._of(self.ttft).observe(m.ttft if c.index == 0 else now - m.arrival_time)
+                if m is not None and m.time_in_queue is not None:
+                    self._of(self.queue_time).observe(m.time_in_queue)
+            else:
+                self._of(self.itl).observe(now - last[c.index])
+            seen[c.index] += got
+            last[c.index] = now
         if out.finished:
+            self._seen.pop(out.request_id, None)
             self._last_token.pop(out.request_id, None)
-            reason = out.outputs[0].finish_reason or "abort"
-            self.success.labels(**self.labels, finished_reason=reason).inc()
+            for c in out.outputs:
+                self.success.labels(**self.labels, finished_reason=c.finish_reason or "abort").inc()
             if m is not None and m.finished_time is not None:
-                self._of(self.e2e).observe(m.finished_time - m.arrival_time)
+                self._observe(self.e2e, m.finished_time - m.arrival_time, n)
             self._finished_request(out)
 
+    def _observe(self, metric, value: float, times: int) -> None:
+        child = self._of(metric)
+        for _ in range(times):
+            child.observe(value)
+
     def _finished_request(self, out: RequestOutput) -> None:
-        """Per-request token counts and phase times (vLLM's ``FinishedRequestStats``)."""
+        """Per-request token counts and phase times (vLLM's ``FinishedRequestStats``), one a completion."""
         m = out.metrics
-        self._of(self.request_prompt).observe(len(out.prompt_token_ids))
-        self._of(self.request_generation).observe(sum(len(c.token_ids) for c in out.outputs))
+        n = len(out.outputs)
+        self._observe(self.request_prompt, len(out.prompt_token_ids), n)
+        for c in out.outputs:
+            self._of(self.request_generation).observe(len(c.token_ids))
         if m is None or m.first_scheduled_time is None or m.first_token_time is None:
             return
         last = m.last_token_time if m.last_token_time is not None else m.first_token_time
-        self._of(self.prefill_time).observe(m.first_token_time - m.first_scheduled_time)
-        self._of(self.decode_time).observe(last - m.first_token_time)
-        self._of(self.inference_time).observe(last - m.first_scheduled_time)
+        self._observe(self.prefill_time, m.first_token_time - m.first_scheduled_time, n)
+        self._observe(self.decode_time, last - m.first_token_time, n)
+        self._observe(self.inference_time, last - m.first_scheduled_time, n)
 
     def on_abort(self, request_id: str) -> None:
-        """An aborted request sends no final output: count it and drop its state (engine thread)."""
+        """An aborted request sends no final output: count it (each completion once it has output) and
+        drop its state (engine thread)."""
         self._last_token.pop(request_id, None)
-        self.success.labels(**self.labels, finished_reason="abort").inc()
+        n = len(self._seen.pop(request_id, [0]))
+        self.success.labels(**self.labels, finished_reason="abort").inc(n)
 
 
 class _LoopTimeCollector(Collector):
