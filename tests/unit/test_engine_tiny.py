@@ -299,7 +299,8 @@ def test_offline_chat_takes_the_servers_message_shapes_and_vllms_keywords(tiny):
     out = llm.chat(turns, sp, use_tqdm=False, chat_template=own, chat_template_kwargs={"suffix": "!"})[0]
     assert out.prompt_token_ids == tok.encode("a|b|!", add_special_tokens=False)
     tools = [{"type": "function", "function": {"name": "cat", "parameters": {"type": "object"}}}]
-    named = llm.chat(turns, sp, use_tqdm=False, chat_template="{{ tools[0]['function']['name'] }}", tools=tools)
+    name_of_tool = "{{ tools[0]['function']['name'] }}"
+    named = llm.chat(turns, sp, use_tqdm=False, chat_template=name_of_tool, tools=tools)
     assert named[0].prompt_token_ids == tok.encode("cat", add_special_tokens=False)
     opened = llm.chat([{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat sat"}], sp,
                       use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
