@@ -123,6 +123,14 @@ def test_load_200_requests_concurrency_16_and_metrics_match(tiny_server):
     assert delta("vllm:request_generation_tokens_sum") == completion
     for phase in ("prefill", "decode", "inference"):
         assert delta(f"vllm:request_{phase}_time_seconds_count") == 200
+    # vLLM 0.32's other per-request figures: mean time per output token, prompt tokens computed, n, the
+    # longest completion; cached prompt tokens as a counter.
+    cached = sum(r.cached_tokens for r in results)
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 200
+    assert delta("vllm:request_prefill_kv_computed_tokens_sum") == prompt - cached
+    assert delta("vllm:prompt_tokens_cached_total") == cached
+    assert delta("vllm:request_params_n_sum") == delta("vllm:request_params_n_count") == 200
+    assert delta("vllm:request_max_num_generation_tokens_sum") == completion
     # Every step's prompt tokens computed (cache hits are not) plus its generated tokens.
     cached = sum(r.cached_tokens for r in results)
     assert delta("vllm:iteration_tokens_total_sum") == prompt - cached + completion
@@ -163,3 +171,8 @@ def test_a_request_of_n_completions_counts_as_n_requests(tiny_server):
     assert delta("vllm:request_prompt_tokens_sum") == 3 * usage["prompt_tokens"]
     assert delta("vllm:request_generation_tokens_sum") == 12
     assert delta("vllm:inter_token_latency_seconds_count") == 3 * 3  # each completion's gaps
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 3
+    assert delta("vllm:request_prefill_kv_computed_tokens_count") == 3
+    # Per request (vLLM's parent): its n, and the most tokens one completion generated.
+    assert delta("vllm:request_params_n_count") == 1 and delta("vllm:request_params_n_sum") == 3
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 4

@@ -10,7 +10,11 @@ written for vLLM read them unchanged: ``vllm:num_requests_running``/``waiting``,
 ``vllm:request_prompt_tokens`` / ``vllm:request_generation_tokens`` (1-2-5 buckets up to
 ``max_model_len``) and ``vllm:request_prefill_time_seconds`` (first scheduled to first token),
 ``vllm:request_decode_time_seconds`` (first to last token), ``vllm:request_inference_time_seconds``
-(first scheduled to last token), with vLLM 0.32's request-latency buckets; per step
+(first scheduled to last token), with vLLM 0.32's request-latency buckets,
+``vllm:request_time_per_output_token_seconds`` (decode time over the tokens after the first),
+``vllm:request_prefill_kv_computed_tokens`` (prompt tokens not served by the prefix cache), and per
+request (all completions) ``vllm:request_params_n`` and ``vllm:request_max_num_generation_tokens``; the
+counter ``vllm:prompt_tokens_cached``; per step
 ``vllm:iteration_tokens_total`` (prompt tokens computed plus tokens generated). A request of ``n``
 completions counts as ``n`` requests (successes, prompts, latencies), as vLLM, whose engine runs each
 completion as a request. Every metric carries
@@ -54,6 +58,7 @@ RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0
 # vLLM 0.32's edges for the per-request phase times (seconds) and the per-step token counts.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ENGINE_INDEX = "0"
 
@@ -115,6 +120,17 @@ class EngineMetrics:
                                       REQUEST_LATENCY_BUCKETS)
         self.inference_time = self._hist("vllm:request_inference_time_seconds", "First scheduled to last "
                                          "token", REQUEST_LATENCY_BUCKETS)
+        self.request_tpot = self._hist("vllm:request_time_per_output_token_seconds", "Mean time per output "
+                                       "token after the first, per finished request")
+        self.params_n = self._hist("vllm:request_params_n", "The n request parameter",
+                                   REQUEST_PARAMS_N_BUCKETS)
+        self.max_generation = self._hist("vllm:request_max_num_generation_tokens", "Most tokens one "
+                                         "completion of a request generated", tokens)
+        self.prefill_kv_computed = self._hist("vllm:request_prefill_kv_computed_tokens", "Prompt tokens "
+                                              "computed (not served by the prefix cache), per finished "
+                                              "request", tokens)
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Prompt tokens served by the prefix cache, "
+                                     "per request", names, registry=r)
         self.iteration_tokens = self._hist("vllm:iteration_tokens_total", "Prompt plus generated tokens per "
                                            "engine step", ITERATION_TOKEN_BUCKETS)
         self._last_prompt_computed = 0
@@ -210,6 +226,7 @@ class EngineMetrics:
                 continue
             if seen[c.index] == 0:
                 self._of(self.prompt_tokens).inc(len(out.prompt_token_ids))
+                self._of(self.prompt_cached).inc(out.num_cached_tokens)
                 if m is not None and m.ttft is not None:  # completion 0's is the request's own
                     self._of(self.ttft).observe(m.ttft if c.index == 0 else now - m.arrival_time)
                 if m is not None and m.time_in_queue is not None:
@@ -237,14 +254,21 @@ class EngineMetrics:
         m = out.metrics
         n = len(out.outputs)
         self._observe(self.request_prompt, len(out.prompt_token_ids), n)
+        self._observe(self.prefill_kv_computed, len(out.prompt_token_ids) - out.num_cached_tokens, n)
         for c in out.outputs:
             self._of(self.request_generation).observe(len(c.token_ids))
+        self._of(self.params_n).observe(n)  # per request, as vLLM's parent requests
+        self._of(self.max_generation).observe(max(len(c.token_ids) for c in out.outputs))
         if m is None or m.first_scheduled_time is None or m.first_token_time is None:
             return
         last = m.last_token_time if m.last_token_time is not None else m.first_token_time
+        decode = last - m.first_token_time
         self._observe(self.prefill_time, m.first_token_time - m.first_scheduled_time, n)
-        self._observe(self.decode_time, last - m.first_token_time, n)
+        self._observe(self.decode_time, decode, n)
         self._observe(self.inference_time, last - m.first_scheduled_time, n)
+        for c in out.outputs:  # vLLM's mean_time_per_output_token: 0 for a single token
+            after_first = len(c.token_ids) - 1
+            self._of(self.request_tpot).observe(decode / after_first if after_first > 0 else 0.0)
 
     def on_abort(self, request_id: str) -> None:
         """An aborted request sends no final output: count it (each completion once it has output) and
