@@ -103,6 +103,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if not args.log_interval > 0:  # also NaN; a line every 0 s would be a line every step
+        raise ValueError(f"--log-interval must be > 0 seconds, got {args.log_interval}")
     if not args.shutdown_grace_period >= 0:
         raise ValueError(f"--shutdown-grace-period must be >= 0 seconds, got {args.shutdown_grace_period}")
     if not 0 <= args.port <= 65535:

@@ -80,6 +80,8 @@ def test_seeds_are_bounded_to_64_bits_and_children_stay_in_range():
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1, got 0"),
     (["--shutdown-grace-period", "-1"], "--shutdown-grace-period must be >= 0 seconds, got -1.0"),
     (["--shutdown-grace-period", "nan"], "--shutdown-grace-period must be >= 0 seconds, got nan"),
+    (["--log-interval", "0"], "--log-interval must be > 0 seconds, got 0.0"),  # a fresh user's trial
+    (["--log-interval", "-1"], "--log-interval must be > 0 seconds, got -1.0"),
 ])
 def test_serve_flags_fail_before_any_model_loads(flags, message, capsys):
     from segserve.entrypoints.cli import build_parser, main
