@@ -176,3 +176,26 @@ def test_a_request_of_n_completions_counts_as_n_requests(tiny_server):
     # Per request (vLLM's parent): its n, and the most tokens one completion generated.
     assert delta("vllm:request_params_n_count") == 1 and delta("vllm:request_params_n_sum") == 3
     assert delta("vllm:request_max_num_generation_tokens_sum") == 4
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_of_n_completions_carries_one_choice_a_chunk(tiny_server, path):
+    """vLLM streams each choice's delta in a chunk of its own; a fresh user's trial (2026-12-05) saw both
+    choices of n=2 in one chunk. Joined per index, the deltas equal the whole response's choices."""
+    from tests.server.harness import sse_events
+
+    handle, _ = tiny_server
+    body = {"model": SERVED_NAME, "max_tokens": 5, "n": 2, "temperature": 0, "ignore_eos": True}
+    body |= ({"prompt": "The quick brown fox"} if "chat" not in path
+             else {"messages": [{"role": "user", "content": "The quick brown fox"}]})
+    whole = httpx.post(f"{handle.base_url}{path}", json=body, timeout=60).json()
+    with httpx.stream("POST", f"{handle.base_url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        events = sse_events(list(r.iter_lines()))
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert chunks and all(len(e["choices"]) == 1 for e in chunks)
+    text = {0: "", 1: ""}
+    for e in chunks:
+        choice = e["choices"][0]
+        text[choice["index"]] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    want = [c.get("text", (c.get("message") or {}).get("content")) for c in whole["choices"]]
+    assert [text[0], text[1]] == want

@@ -110,8 +110,9 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
             logprobs = _chat_logprobs(serving, ids, pos, top_n) if ids else None
             choices.append(p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                               finish_reason=c.finish_reason))
-        if choices:
-            yield chunk(choices, usage_of([out]) if req.continuous_usage else None)
+        usage = usage_of([out]) if req.continuous_usage and choices else None
+        for choice in choices:  # one choice a chunk, as vLLM streams n > 1
+            yield chunk([choice], usage)
     if req.include_usage and last is not None and last.finished:
         yield chunk([], usage_of([last]))
 

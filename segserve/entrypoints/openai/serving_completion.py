@@ -154,9 +154,10 @@ async def _completion_events(serving: OpenAIServing, outputs: AsyncIterator[tupl
             choice = completion_delta(state, shape, prompts[i], out, c, key)
             if choice is not None:
                 choices.append(choice)
-        if choices:
-            usage = usage_of(list(last.values()), not shape.echo_only) if req.continuous_usage else None
-            yield sse(p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage))
+        wants_usage = req.continuous_usage and choices
+        usage = usage_of(list(last.values()), not shape.echo_only) if wants_usage else None
+        for choice in choices:  # one choice a chunk, as vLLM streams n > 1
+            yield sse(p.CompletionResponse(id=rid, model=model, choices=[choice], usage=usage))
     finals = list(last.values())
     if req.include_usage and len(finals) == len(prompts) and all(o.finished for o in finals):
         yield sse(p.CompletionResponse(id=rid, model=model, choices=[],
