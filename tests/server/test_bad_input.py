@@ -60,6 +60,20 @@ CASES = [
 ]
 
 
+def test_a_body_sent_without_the_json_content_type_says_so(tiny_server):
+    """curl -d sends application/x-www-form-urlencoded, and FastAPI then reads no JSON: the message named
+    pydantic's "valid dictionary" (a fresh user's trial, 2026-12-05), now the header."""
+    handle, _ = tiny_server
+    r = httpx.post(handle.base_url + CMPL, content=b'{"model": "x", "prompt": "hi"}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400
+    want = ("the body must be a JSON object sent with Content-Type: application/json, got Content-Type: "
+            "application/x-www-form-urlencoded")
+    assert r.json()["error"]["message"] == want
+    r = httpx.post(handle.base_url + CMPL, content=b'[1, 2]', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "Content-Type" not in r.json()["error"]["message"]  # JSON, not an object
+
+
 def _post(base_url: str, path: str, body) -> httpx.Response:
     if isinstance(body, bytes):
         return httpx.post(base_url + path, content=body, headers={"content-type": "application/json"})

@@ -26,7 +26,7 @@ from segserve.entrypoints.openai import openapi
 from segserve.entrypoints.openai import protocol as p
 from segserve.entrypoints.openai import tokenize as tk
 from segserve.entrypoints.openai.errors import ApiError, internal_error
-from segserve.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, quote
+from segserve.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, printable, quote
 from segserve.entrypoints.openai.metrics import EngineMetrics, StatLogger
 from segserve.entrypoints.openai.serving import OpenAIServing, leading_name
 from segserve.entrypoints.openai.serving_chat import create_chat_completion
@@ -72,7 +72,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "")
+        if not isinstance(exc.body, dict) and "json" not in kind.lower():
+            # FastAPI reads a body as JSON only when the header says so (curl -d sends a form type).
+            return ApiError(400, f"the body must be a JSON object sent with Content-Type: application/json, "
+                                 f"got Content-Type: {printable(kind, 80) or '(none)'}").response()
         message, param = _validation_message(exc)
         return ApiError(400, message, param=param).response()
 
