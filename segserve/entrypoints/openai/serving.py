@@ -46,8 +46,9 @@ _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "mi
 
 
 def short_error(exc: Exception) -> str:
-    """An engine ``ValueError`` as a client message: its values can be a client's giant ``stop`` list."""
-    return printable(str(exc), 200)
+    """An engine ``ValueError`` as a client message: its values can be a client's giant ``stop`` list, so
+    it is cut, but not before 500 characters (at 200 a message about the KV cache lost its advice)."""
+    return printable(str(exc), 500)
 
 
 def leading_name(message: str) -> str:
