@@ -47,8 +47,9 @@ _PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "mi
 
 def short_error(exc: Exception) -> str:
     """An engine ``ValueError`` as a client message: its values can be a client's giant ``stop`` list, so
-    it is cut, but not before 500 characters (at 200 a message about the KV cache lost its advice)."""
-    return printable(str(exc), 500)
+    it is cut, but not before 300 characters (at 200 a message about the KV cache lost its advice; the
+    error body of a giant value stays under 500 bytes)."""
+    return printable(str(exc), 300)
 
 
 def leading_name(message: str) -> str:
