@@ -62,6 +62,9 @@ class StepObserver(Protocol):
 
     def on_step(self, info: StepInfo) -> None: ...
 
+    def on_add(self, request_id: str, params: SamplingParams) -> None:
+        """A request was accepted (its parameters, e.g. for ``vllm:request_params_max_tokens``)."""
+
     def on_abort(self, request_id: str) -> None:
         """A live request was aborted (it will send no final output)."""
 
@@ -273,6 +276,8 @@ class AsyncLLMEngine:
         self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
         self._streams[request_id] = stream
         self._generated[request_id] = 0
+        for observer in self.observers:
+            observer.on_add(request_id, params)
 
     def _abort_now(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is None:

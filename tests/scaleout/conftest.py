@@ -36,6 +36,9 @@ class StepDelay:
         if info.outputs:
             time.sleep(self.delay_s)
 
+    def on_add(self, request_id: str, params) -> None:
+        pass
+
     def on_abort(self, request_id: str) -> None:
         pass
 

@@ -67,6 +67,9 @@ class Throttle:
         if info.outputs and self.delay_s:
             time.sleep(self.delay_s)
 
+    def on_add(self, request_id: str, params) -> None:
+        pass
+
     def on_abort(self, request_id: str) -> None:
         pass
 

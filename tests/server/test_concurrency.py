@@ -131,6 +131,9 @@ def test_load_200_requests_concurrency_16_and_metrics_match(tiny_server):
     assert delta("vllm:prompt_tokens_cached_total") == cached
     assert delta("vllm:request_params_n_sum") == delta("vllm:request_params_n_count") == 200
     assert delta("vllm:request_max_num_generation_tokens_sum") == completion
+    assert delta("vllm:request_params_max_tokens_sum") == completion  # ignore_eos: each ran to max_tokens
+    for reason in ("capacity", "deferred"):
+        assert metric(after, "vllm:num_requests_waiting_by_reason", reason=reason) == 0
     # Every step's prompt tokens computed (cache hits are not) plus its generated tokens.
     cached = sum(r.cached_tokens for r in results)
     assert delta("vllm:iteration_tokens_total_sum") == prompt - cached + completion
@@ -176,6 +179,8 @@ def test_a_request_of_n_completions_counts_as_n_requests(tiny_server):
     # Per request (vLLM's parent): its n, and the most tokens one completion generated.
     assert delta("vllm:request_params_n_count") == 1 and delta("vllm:request_params_n_sum") == 3
     assert delta("vllm:request_max_num_generation_tokens_sum") == 4
+    assert delta("vllm:request_params_max_tokens_count") == 3
+    assert delta("vllm:request_params_max_tokens_sum") == 12
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -13,8 +13,10 @@ written for vLLM read them unchanged: ``vllm:num_requests_running``/``waiting``,
 (first scheduled to last token), with vLLM 0.32's request-latency buckets,
 ``vllm:request_time_per_output_token_seconds`` (decode time over the tokens after the first),
 ``vllm:request_prefill_kv_computed_tokens`` (prompt tokens not served by the prefix cache), and per
-request (all completions) ``vllm:request_params_n`` and ``vllm:request_max_num_generation_tokens``; the
-counter ``vllm:prompt_tokens_cached``; per step
+request (all completions) ``vllm:request_params_n`` and ``vllm:request_max_num_generation_tokens``, per
+completion ``vllm:request_params_max_tokens``; the counter ``vllm:prompt_tokens_cached``; the gauge
+``vllm:num_requests_waiting_by_reason`` (``capacity``; ``deferred``: waiting for a grammar, counted in
+``vllm:num_requests_waiting`` too, as vLLM does); per step
 ``vllm:iteration_tokens_total`` (prompt tokens computed plus tokens generated). A request of ``n``
 completions counts as ``n`` requests (successes, prompts, latencies), as vLLM, whose engine runs each
 completion as a request. Every metric carries
@@ -93,7 +95,13 @@ class EngineMetrics:
         r, names = self.registry, ["model_name", "engine"]
         self.names = names
         self.running = Gauge("vllm:num_requests_running", "Requests running", names, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", names, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (for room, or for their grammar)",
+                             names, registry=r)
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Waiting requests by reason: capacity (for "
+                          "room in the batch or the KV cache), deferred (for their grammar to compile)",
+                          names + ["reason"], registry=r)
+        self._waiting_capacity = by_reason.labels(**self.labels, reason="capacity")
+        self._waiting_deferred = by_reason.labels(**self.labels, reason="deferred")
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = 100%)", names, registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the "
                                       "prefix cache", names, registry=r)
@@ -122,6 +130,8 @@ class EngineMetrics:
                                          "token", REQUEST_LATENCY_BUCKETS)
         self.request_tpot = self._hist("vllm:request_time_per_output_token_seconds", "Mean time per output "
                                        "token after the first, per finished request")
+        self.params_max_tokens = self._hist("vllm:request_params_max_tokens", "The max_tokens request "
+                                            "parameter, per finished request", tokens)
         self.params_n = self._hist("vllm:request_params_n", "The n request parameter",
                                    REQUEST_PARAMS_N_BUCKETS)
         self.max_generation = self._hist("vllm:request_max_num_generation_tokens", "Most tokens one "
@@ -150,6 +160,7 @@ class EngineMetrics:
         # Request id -> per completion: tokens seen, and the time of its latest (inter-token latency).
         self._seen: dict[str, list[int]] = {}
         self._last_token: dict[str, list[float]] = {}
+        self._max_tokens: dict[str, int | None] = {}  # request id -> its max_tokens (on_add)
 
     def _of(self, metric):
         """``metric``'s child for this model's labels, looked up once: ``labels()`` checks and locks on
@@ -182,7 +193,12 @@ class EngineMetrics:
         self._step_error(info.engine.step_monitor)
         stats = info.engine.scheduler.make_stats()
         self._of(self.running).set(stats.num_running)
-        self._of(self.waiting).set(stats.num_waiting)
+        # vLLM counts requests waiting for their grammar as waiting ("deferred"); segserve holds them
+        # beside the scheduler (GrammarGate).
+        deferred = info.engine.num_awaiting_grammar
+        self._of(self.waiting).set(stats.num_waiting + deferred)
+        self._waiting_capacity.set(stats.num_waiting)
+        self._waiting_deferred.set(deferred)
         self._of(self.kv_usage).set(stats.kv_cache_usage)
         self._cache_and_preemption_deltas(stats)
         computed = stats.num_prompt_tokens_computed
@@ -238,6 +254,9 @@ class EngineMetrics:
         if out.finished:
             self._seen.pop(out.request_id, None)
             self._last_token.pop(out.request_id, None)
+            max_tokens = self._max_tokens.pop(out.request_id, None)
+            if max_tokens:
+                self._observe(self.params_max_tokens, max_tokens, n)
             for c in out.outputs:
                 self.success.labels(**self.labels, finished_reason=c.finish_reason or "abort").inc()
             if m is not None and m.finished_time is not None:
@@ -270,10 +289,15 @@ class EngineMetrics:
             after_first = len(c.token_ids) - 1
             self._of(self.request_tpot).observe(decode / after_first if after_first > 0 else 0.0)
 
+    def on_add(self, request_id: str, params) -> None:
+        """Note the request's ``max_tokens`` for ``vllm:request_params_max_tokens`` (engine thread)."""
+        self._max_tokens[request_id] = params.max_tokens
+
     def on_abort(self, request_id: str) -> None:
         """An aborted request sends no final output: count it (each completion once it has output) and
         drop its state (engine thread)."""
         self._last_token.pop(request_id, None)
+        self._max_tokens.pop(request_id, None)
         n = len(self._seen.pop(request_id, [0]))
         self.success.labels(**self.labels, finished_reason="abort").inc(n)
 
@@ -314,6 +338,9 @@ class StatLogger:
     _last_time: float | None = None
     _last_prompt: int = 0
     _generated: int = 0
+
+    def on_add(self, request_id: str, params) -> None:
+        """Nothing to note: the line has no per-request state."""
 
     def on_abort(self, request_id: str) -> None:
         """Nothing to forget: the line has no per-request state."""
