@@ -66,6 +66,12 @@ def _cost_tokens(text: str) -> int | str:
     return _int_or_auto(text, 0)
 
 
+def given_max_model_len(value: int | None) -> int | None:
+    """``max_model_len`` as given, or None where it means the model's length: None, 0 and -1
+    (``AUTO_MAX_MODEL_LEN``; the engine then fits it to the KV cache)."""
+    return None if value in (None, 0, AUTO_MAX_MODEL_LEN) else value
+
+
 def _budget(text: str) -> int | str:
     """``--max-num-batched-tokens``: an integer >= 1 (:func:`human_int`'s forms, as vLLM: ``2k``, ``4K``),
     or ``auto`` (sized from the step profile by the commands that support it: ``serve``, ``simulate``)."""
@@ -146,7 +152,7 @@ class EngineArgs:
             ValueError: ``max_model_len`` above ``model_max_len``, or any setting out of range
                 (the config classes' messages, naming the setting and the allowed range).
         """
-        given = self.max_model_len not in (None, 0, AUTO_MAX_MODEL_LEN)
+        given = given_max_model_len(self.max_model_len) is not None
         if given and self.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's context length {model_max_len}"

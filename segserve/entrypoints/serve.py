@@ -200,11 +200,12 @@ def settle_budget(args: argparse.Namespace, choice):
     """``--max-num-batched-tokens``: a number (at least one block) or ``auto`` from the profile; logged.
     The model's context length is not known before it loads: without --max-model-len the search runs
     to ``AUTO_MAX_BUDGET``, its cap anyway."""
+    from segserve.engine_args import given_max_model_len
     from segserve.simulator import budget
 
     settled = budget.settle_budget(
         args.max_num_batched_tokens, choice and choice.model, args.target_itl_ms, args.block_size,
-        args.max_num_seqs, args.max_model_len or budget.AUTO_MAX_BUDGET,
+        args.max_num_seqs, given_max_model_len(args.max_model_len) or budget.AUTO_MAX_BUDGET,
     )
     log.info("%s", settled.line)
     return settled

@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from segserve.engine_args import EngineArgs
+from segserve.engine_args import EngineArgs, given_max_model_len
 from segserve.routing.prefix_affinity import add_affinity_args
 from segserve.simulator.budget import add_budget_args
 
@@ -172,7 +172,8 @@ def build_config(args: argparse.Namespace, reqs):
     longest request (at least 2 tokens), stands in for it.
     """
     longest = max(r.input_len + r.output_len for r in reqs)
-    return EngineArgs.from_cli_args(args).create_engine_config(args.max_model_len or max(longest, 2))
+    given = given_max_model_len(args.max_model_len)
+    return EngineArgs.from_cli_args(args).create_engine_config(given or max(longest, 2))
 
 
 def _step_model(args: argparse.Namespace, command: str):
@@ -188,7 +189,7 @@ def _step_model(args: argparse.Namespace, command: str):
     if args.max_num_batched_tokens == "auto" or command == "simulate":
         budget = settle_budget(
             args.max_num_batched_tokens, choice.model, args.target_itl_ms, args.block_size, args.max_num_seqs,
-            args.max_model_len or 8192,
+            given_max_model_len(args.max_model_len) or 8192,
         )
         if budget.auto:
             print(f"[{command}] {budget.line}", file=sys.stderr)

@@ -195,3 +195,27 @@ def test_simulate_sizes_auto_from_the_profile(tmp_path, capsys):
     assert rc == 0
     assert json.loads(out.read_text())["settings"]["max_num_batched_tokens"] == 160
     assert "[simulate] max_num_batched_tokens auto = 160" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("length", ["auto", "-1"])
+def test_max_model_len_auto_leaves_the_automatic_budget_as_without_the_flag(length):
+    """Regression (a second trial, 2026-12-05): `serve --max-model-len auto` passed -1 as the search's
+    cap, and the automatic budget came out at its floor, 16 tokens (352 without the flag)."""
+    from types import SimpleNamespace
+
+    from segserve.entrypoints.serve import settle_budget as serve_settle
+
+    choice = SimpleNamespace(model=ROWS)
+    parser = build_parser()
+    unset = parser.parse_args(["serve", "--max-num-batched-tokens", "auto"])
+    auto = parser.parse_args(["serve", "--max-num-batched-tokens", "auto", "--max-model-len", length])
+    assert auto.max_model_len == -1
+    assert serve_settle(auto, choice).budget == serve_settle(unset, choice).budget > 16
+
+
+def test_simulate_takes_max_model_len_auto_as_the_workloads_longest(capsys):
+    """Regression (the same trial): `segserve simulate --max-model-len auto` failed with "max_model_len must
+    be >= 2, got -1"; as without the flag, the longest request stands in for the model's length."""
+    flags = ["simulate", "--synthetic", "5", "--input-len", "200", "--output-len", "8", "--max-model-len"]
+    assert main([*flags, "auto"]) == 0
+    assert "max_model_len must be" not in capsys.readouterr().err
