@@ -204,11 +204,11 @@ class LLM:
 
 def template_messages(messages: ChatMessages) -> list[dict[str, Any]]:
     """A conversation as chat templates read it: each message's ``content`` one string (text parts
-    joined, absent or None as ""), its other keys kept.
+    joined by newlines, as vLLM's "string" content format; absent or None as ""), its other keys kept.
 
     Raises:
-        ValueError: a message that is not a dict, or a content part that is not ``{"type": "text"}``,
-            naming the message.
+        ValueError: a message that is not a dict, without a string ``role``, with a content that is not a
+            string, list or None, or a content part that is not ``{"type": "text"}``, naming the message.
     """
     out = []
     for i, m in enumerate(messages):
@@ -222,7 +222,12 @@ def template_messages(messages: ChatMessages) -> list[dict[str, Any]]:
                 if not text_part or not isinstance(part.get("text"), str):
                     raise ValueError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': "
                                      f"...}}) are supported, got {part!r}"[:300])
-            content = "".join(part["text"] for part in content)
+            content = "\n".join(part["text"] for part in content)  # vLLM's "string" format
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, a list of text parts or None, got "
+                             f"{type(content).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}].role must be a string, got {m.get('role')!r}"[:200])
         out.append({**m, "content": "" if content is None else content})
     return out
 
@@ -247,6 +252,11 @@ def chat_prompt_ids(
     template = chat_template or engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"model {engine.loaded.name} has no chat template; pass plain prompts instead")
+    kwargs = dict(template_kwargs or {})
+    # The template kwargs win over the keywords, as in vLLM (which merges them last).
+    add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+    kwargs.pop("tokenize", None)
     text = tokenizer.apply_chat_template(
         messages,
         chat_template=template,
@@ -254,7 +264,7 @@ def chat_prompt_ids(
         continue_final_message=continue_final_message,
         tokenize=False,
         tools=tools,
-        **(template_kwargs or {}),
+        **kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -204,3 +204,61 @@ def test_a_stream_of_n_completions_carries_one_choice_a_chunk(tiny_server, path)
         text[choice["index"]] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     want = [c.get("text", (c.get("message") or {}).get("content")) for c in whole["choices"]]
     assert [text[0], text[1]] == want
+
+
+def test_a_chat_stream_sends_no_empty_role_chunk_for_a_choice_still_in_prefill():
+    """Regression (a second trial, 2026-12-05): at a small budget the two completions of n=2 can reach their
+    first token in different steps, and the later one got a chunk of role and empty content at the
+    earlier one's first token. The role comes with each choice's own first token."""
+    import json
+    from types import SimpleNamespace
+
+    from segserve.entrypoints.openai.serving_chat import _chat_events
+    from segserve.outputs import CompletionOutput, RequestOutput
+
+    def out(second: list[int], finished: bool = False) -> RequestOutput:
+        reason = "length" if finished else None
+        return RequestOutput("r", None, [1, 2], None, [
+            CompletionOutput(0, "ab"[: len(second) + 1], [5, 6][: len(second) + 1], finish_reason=reason),
+            CompletionOutput(1, "xy"[: len(second)], second, finish_reason=reason)], finished)
+
+    async def outputs():
+        for o in (out([]), out([7]), out([7, 8], finished=True)):
+            yield 0, o
+
+    async def run() -> list[dict]:
+        req = SimpleNamespace(continuous_usage=False, include_usage=False)
+        events = _chat_events(None, outputs(), "r", "m", None, req, SimpleNamespace(mode="none"))
+        return [json.loads(e.removeprefix("data: ")) async for e in events]
+
+    chunks = [c["choices"][0] for c in asyncio.run(run())]
+    got = [(c["index"], c["delta"].get("role"), c["delta"].get("content"), c["finish_reason"])
+           for c in chunks]
+    assert got == [(0, "assistant", "a", None), (0, None, "b", None), (1, "assistant", "x", None),
+                   (0, None, None, "length"), (1, None, "y", "length")]
+
+
+def test_chat_text_parts_reach_the_template_joined_by_newlines(tiny_server):
+    """vLLM's "string" content format joins text parts with newlines (a second trial: they were joined
+    with nothing)."""
+    handle, _ = tiny_server
+    parts = {"model": SERVED_NAME, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    joined = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "a\nb"}]}
+    tokens = [httpx.post(f"{handle.base_url}/tokenize", json=b).json()["tokens"] for b in (parts, joined)]
+    assert tokens[0] == tokens[1]
+
+
+def test_max_tokens_not_sent_counts_as_the_room_left(tiny_server):
+    """vllm:request_params_max_tokens of a request without max_tokens: max_model_len - prompt, the value
+    vLLM's server fills in (a second trial: such requests were left out)."""
+    handle, _ = tiny_server
+    before = scrape(handle.base_url)
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "stop_token_ids": list(range(300))}  # every token stops it: one token
+    r = httpx.post(f"{handle.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    prompt = r.json()["usage"]["prompt_tokens"]
+    after = scrape(handle.base_url)
+    assert metric(after, "vllm:request_params_max_tokens_sum") - metric(
+        before, "vllm:request_params_max_tokens_sum") == 128 - prompt

@@ -291,7 +291,7 @@ def test_offline_chat_takes_the_servers_message_shapes_and_vllms_keywords(tiny):
     assert absent.prompt_token_ids == plain.prompt_token_ids
     two = [{"type": "text", "text": "the "}, {"type": "text", "text": "cat"}]
     parts = llm.chat([{"role": "user", "content": two}], sp, use_tqdm=False)[0]
-    assert parts.prompt_token_ids == llm.chat([{"role": "user", "content": "the cat"}], sp,
+    assert parts.prompt_token_ids == llm.chat([{"role": "user", "content": "the \ncat"}], sp,  # vLLM's join
                                               use_tqdm=False)[0].prompt_token_ids
     tok = llm.get_tokenizer()
     own = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ suffix }}"
@@ -305,6 +305,15 @@ def test_offline_chat_takes_the_servers_message_shapes_and_vllms_keywords(tiny):
     opened = llm.chat([{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat sat"}], sp,
                       use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     assert tok.decode(opened.prompt_token_ids).endswith("cat sat")  # no end of turn after it
+    # chat_template_kwargs win over the keywords (vLLM merges them last); a second trial's TypeError.
+    unopened = llm.chat(turns, sp, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert unopened.prompt_token_ids == llm.chat(turns, sp, use_tqdm=False,
+                                                 add_generation_prompt=False)[0].prompt_token_ids
+    for bad, words in (([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
+                       ([{"role": 5, "content": "a"}], r"messages\[0\].role must be a string, got 5"),
+                       ([{"content": "a"}], r"messages\[0\].role must be a string, got None")):
+        with pytest.raises(ValueError, match=words):
+            llm.chat(bad, sp)
     with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
         llm.chat([{"role": "user", "content": "a"}], sp, continue_final_message=True)
     with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts"):

@@ -90,6 +90,7 @@ class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
                  max_model_len: int = 2**20) -> None:
         self.registry = registry or CollectorRegistry()
+        self.max_model_len = max_model_len
         self.labels = {"model_name": model_name, "engine": ENGINE_INDEX}
         self._children: dict[int, object] = {}  # id(metric) -> its child for ``labels`` (``_of``)
         r, names = self.registry, ["model_name", "engine"]
@@ -254,9 +255,10 @@ class EngineMetrics:
         if out.finished:
             self._seen.pop(out.request_id, None)
             self._last_token.pop(out.request_id, None)
-            max_tokens = self._max_tokens.pop(out.request_id, None)
-            if max_tokens:
-                self._observe(self.params_max_tokens, max_tokens, n)
+            # Not given: the room left, as vLLM's server fills it in (max_model_len - prompt).
+            max_tokens = self._max_tokens.pop(out.request_id, None) or self.max_model_len - len(
+                out.prompt_token_ids)
+            self._observe(self.params_max_tokens, max_tokens, n)
             for c in out.outputs:
                 self.success.labels(**self.labels, finished_reason=c.finish_reason or "abort").inc()
             if m is not None and m.finished_time is not None:

@@ -106,8 +106,8 @@ class ChatMessage(_Lenient):
     name: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
+        if isinstance(self.content, list):  # vLLM joins text parts with newlines ("string" format)
+            return "\n".join(part.text or "" for part in self.content)
         return self.content or ""
 
     def unsupported_part(self) -> str | None:
