@@ -80,10 +80,10 @@ def _budget(text: str) -> int | str:
     try:
         value = human_int(text)
     except argparse.ArgumentTypeError:
+        value = None
+    if value is None or value < 1:
         raise argparse.ArgumentTypeError(
-            f"must be an integer >= 1 or 'auto' (as 2048, 2k or 2K), got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {value}")
+            f"must be an integer >= 1 or 'auto' (as 2048, 2k or 2K), got {text!r}")
     return value
 
 
@@ -152,6 +152,7 @@ class EngineArgs:
             ValueError: ``max_model_len`` above ``model_max_len``, or any setting out of range
                 (the config classes' messages, naming the setting and the allowed range).
         """
+        self._check_integers()
         given = given_max_model_len(self.max_model_len) is not None
         if given and self.max_model_len > model_max_len:
             raise ValueError(
@@ -188,7 +189,16 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
             )
+        self._check_integers()
         self.create_engine_config(model_max_len=max(self.max_model_len or 2, 2))
+
+    def _check_integers(self) -> None:
+        """ValueError naming a count given as another type (``max_model_len="8k"``: the flags' forms)."""
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "block_size", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r} (the command line's flags take "
+                                 "forms such as 8k or 8K)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -209,7 +209,11 @@ def test_max_model_len_and_the_budget_take_vllms_forms(capsys):
         assert want in err
     with pytest.raises(SystemExit):
         parse(["--max-num-batched-tokens", "0"])
-    assert "--max-num-batched-tokens: must be an integer >= 1 or 'auto', got 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--max-num-batched-tokens: must be an integer >= 1 or 'auto' (as 2048, 2k or 2K), got '0'" in err
+    for name, value in (("max_model_len", "8k"), ("kv_cache_memory_bytes", "1G"), ("num_kv_blocks", 8.0)):
+        with pytest.raises(ValueError, match=f"^{name} must be an integer, got {value!r}"):  # a second trial
+            EngineArgs(**{name: value}).check()
 
 
 def test_a_pool_too_small_for_max_model_len_lowers_it_when_not_given_and_refuses_it_when_given():
