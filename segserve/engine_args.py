@@ -77,11 +77,8 @@ def _budget(text: str) -> int | str:
     or ``auto`` (sized from the step profile by the commands that support it: ``serve``, ``simulate``)."""
     if text.strip().lower() == "auto":
         return "auto"
-    try:
-        value = human_int(text)
-    except argparse.ArgumentTypeError:
-        value = None
-    if value is None or value < 1:
+    value = _count_at_least(text, 1)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f"must be an integer >= 1 or 'auto' (as 2048, 2k or 2K), got {text!r}")
     return value
@@ -268,14 +265,21 @@ def _model_len(text: str) -> int:
     the model's context length, lowered to what the KV cache holds)."""
     if text.strip().lower() in ("-1", "auto"):
         return AUTO_MAX_MODEL_LEN
-    try:
-        value = human_int(text)
-    except argparse.ArgumentTypeError:
-        value = None
-    if value is None or value < 2:
+    value = _count_at_least(text, 2)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f"must be an integer >= 2, -1 or 'auto' (as 8192, 8k or 8K), got {text!r}")
     return value
+
+
+def _count_at_least(text: str, minimum: int) -> int | None:
+    """:func:`human_int` of ``text`` when it parses and is >= ``minimum``, else None (the flag's own
+    message names its forms)."""
+    try:
+        value = human_int(text)
+    except argparse.ArgumentTypeError:
+        return None
+    return value if value >= minimum else None
 
 
 # (field, argparse options) of each engine flag, in ``--help`` order. The flag is the field with
