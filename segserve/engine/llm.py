@@ -166,9 +166,13 @@ class LLM:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False (the last "
                              "message is continued, not answered)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [chat_prompt_ids(self.llm_engine, template_messages(c), add_generation_prompt,
-                                   chat_template_kwargs, tools, chat_template, continue_final_message)
-                   for c in conversations]
+        tokenizer = self.llm_engine.tokenizer
+        prompts = []
+        for c in conversations:  # RequestOutput.prompt is the rendered text, as vLLM's
+            text = render_chat(self.llm_engine, template_messages(c), add_generation_prompt,
+                               chat_template_kwargs, tools, chat_template, continue_final_message)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
@@ -241,12 +245,31 @@ def chat_prompt_ids(
     chat_template: str | None = None,
     continue_final_message: bool = False,
 ) -> list[int]:
-    """Render a conversation with the tokenizer's chat template and tokenize it (no extra BOS).
+    """Render a conversation with the tokenizer's chat template (:func:`render_chat`) and tokenize it
+    (no extra BOS)."""
+    text = render_chat(engine, messages, add_generation_prompt, template_kwargs, tools, chat_template,
+                       continue_final_message)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
 
-    ``template_kwargs`` are extra variables for the template (vLLM's ``chat_template_kwargs``).
-    ``tools``: OpenAI-shaped tool definitions, handed to the template (templates without tool
-    support ignore them). ``chat_template``: a template to use instead of the model's.
+
+def render_chat(
+    engine: LLMEngine,
+    messages: ChatMessages,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+) -> str:
+    """A conversation rendered with the tokenizer's chat template, as text.
+
+    ``template_kwargs`` are extra variables for the template (vLLM's ``chat_template_kwargs``; they win
+    over the keywords). ``tools``: OpenAI-shaped tool definitions, handed to the template (templates
+    without tool support ignore them). ``chat_template``: a template to use instead of the model's.
     ``continue_final_message``: leave the last message open (Hugging Face's keyword).
+
+    Raises:
+        ValueError: the model has no chat template and none was given.
     """
     tokenizer = engine.tokenizer
     template = chat_template or engine.loaded.chat_template or getattr(tokenizer, "chat_template", None)
@@ -257,7 +280,7 @@ def chat_prompt_ids(
     add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
     continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
     kwargs.pop("tokenize", None)
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         messages,
         chat_template=template,
         add_generation_prompt=add_generation_prompt,
@@ -266,7 +289,6 @@ def chat_prompt_ids(
         tools=tools,
         **kwargs,
     )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

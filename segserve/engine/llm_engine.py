@@ -177,9 +177,13 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a prompt; ValueError for an empty or invalid one."""
+        """(prompt text or None, token ids) of a prompt; ValueError for an empty or invalid one. A dict
+        with ``prompt_token_ids`` and a ``prompt`` string (the text they were made from, e.g. a rendered
+        chat) reports that text and is not tokenized again."""
+        text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
+                text = prompt["prompt"] if isinstance(prompt.get("prompt"), str) else None
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
@@ -211,7 +215,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {t!r} is not an int")
             if not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        return None, [int(t) for t in ids]
+        return text, [int(t) for t in ids]
 
     def add_request(
         self,

@@ -298,6 +298,7 @@ def test_offline_chat_takes_the_servers_message_shapes_and_vllms_keywords(tiny):
     turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     out = llm.chat(turns, sp, use_tqdm=False, chat_template=own, chat_template_kwargs={"suffix": "!"})[0]
     assert out.prompt_token_ids == tok.encode("a|b|!", add_special_tokens=False)
+    assert out.prompt == "a|b|!"  # the rendered text, as vLLM's (a second trial: None)
     tools = [{"type": "function", "function": {"name": "cat", "parameters": {"type": "object"}}}]
     name_of_tool = "{{ tools[0]['function']['name'] }}"
     named = llm.chat(turns, sp, use_tqdm=False, chat_template=name_of_tool, tools=tools)
