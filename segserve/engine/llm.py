@@ -236,20 +236,9 @@ def template_messages(messages: ChatMessages) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt_ids(
-    engine: LLMEngine,
-    messages: ChatMessages,
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-    tools: list[dict] | None = None,
-    chat_template: str | None = None,
-    continue_final_message: bool = False,
-) -> list[int]:
-    """Render a conversation with the tokenizer's chat template (:func:`render_chat`) and tokenize it
-    (no extra BOS)."""
-    text = render_chat(engine, messages, add_generation_prompt, template_kwargs, tools, chat_template,
-                       continue_final_message)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+def chat_prompt_ids(engine: LLMEngine, messages: ChatMessages, *args: Any, **kwargs: Any) -> list[int]:
+    """A conversation rendered by :func:`render_chat` (same arguments) and tokenized (no extra BOS)."""
+    return engine.tokenizer.encode(render_chat(engine, messages, *args, **kwargs), add_special_tokens=False)
 
 
 def render_chat(
