@@ -186,8 +186,7 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
             )
-        self._check_integers()
-        self.create_engine_config(model_max_len=max(self.max_model_len or 2, 2))
+        self.create_engine_config(model_max_len=given_max_model_len(self.max_model_len) or 2)
 
     def _check_integers(self) -> None:
         """ValueError naming a count given as another type (``max_model_len="8k"``: the flags' forms)."""

@@ -18,14 +18,14 @@ import torch
 
 from segserve import malloc
 from segserve.attention.backends import AttentionBackend, get_attention_backend
-from segserve.config import AUTO_MAX_MODEL_LEN, fit_max_model_len, num_kv_blocks_for
+from segserve.config import fit_max_model_len, num_kv_blocks_for
 from segserve.core.request import Request, RequestStatus
 from segserve.core.scheduler import Scheduler
 from segserve.core.scheduler_output import SchedulerOutput
 from segserve.engine.grammar_gate import GrammarGate
 from segserve.engine.output_processor import OutputProcessor, child_request_id
 from segserve.engine.step_monitor import StepErrorMonitor
-from segserve.engine_args import EngineArgs
+from segserve.engine_args import EngineArgs, given_max_model_len
 from segserve.models.llama import kv_cache_bytes_per_token, step_activation_bytes_per_token
 from segserve.models.loader import LoadedModel, load_model
 from segserve.outputs import RequestOutput
@@ -126,7 +126,7 @@ class LLMEngine:
         self.num_kv_blocks = num_kv_blocks_for(self.config, bytes_per_token)
         # Not given (or -1): the model's length, lowered to what the cache holds; given: it must fit.
         fitted = fit_max_model_len(self.config, self.num_kv_blocks,
-                                   auto=args.max_model_len in (None, 0, AUTO_MAX_MODEL_LEN))
+                                   auto=given_max_model_len(args.max_model_len) is None)
         if fitted is not self.config:
             logger.warning("max_model_len lowered from %d to %d tokens: what the KV cache (%d blocks of %d) "
                            "holds", self.config.scheduler.max_model_len, fitted.scheduler.max_model_len,

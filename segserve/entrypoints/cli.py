@@ -107,7 +107,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     conversations = _messages(args)  # read the document before the model loads: fail fast
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)  # also
+    # The sampling flags too are checked before the model loads.
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     print(f"[segserve] loaded in {time.perf_counter() - t0:.1f} s: {engine.describe()}", flush=True)
     for i, messages in enumerate(conversations):

@@ -50,11 +50,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     where = ".".join(loc) or "body"
     if err.get("type") == "value_error":  # our validators' ValueError: its text names value and limit
         message = str(err.get("ctx", {}).get("error", err.get("msg")))
+        first = leading_name(message)
         if param is None:  # a check across fields starts with the field it blames (min_tokens=5 ...)
-            first = leading_name(message)
             param = first if isinstance(exc.body, dict) and first in exc.body else None
         # Our messages start with the field's name ("temperature must be ..."): no second one before it.
-        named = bool(loc) and leading_name(message) == loc[-1]
+        named = bool(loc) and first == loc[-1]
         return (f"{where}: {message}" if loc and not named else message), param
     return f"{where}: {err.get('msg')} (got {quote(err.get('input'))})", param
 

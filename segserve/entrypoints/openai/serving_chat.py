@@ -99,8 +99,10 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
                 continue
             state = sent.setdefault(c.index, SentSoFar(None))
             first, done = not state.started, c.finish_reason is not None
-            if state.done or not (first or done or len(c.text) > state.chars) or not (c.token_ids or done):
-                continue  # (no token yet: a sibling's first token came first; the role waits for its own)
+            if not c.token_ids and not done:
+                continue  # a sibling's first token came first: the role waits for this choice's own
+            if state.done or not (first or done or len(c.text) > state.chars):
+                continue
             text, ids, pos = state.take(c.text, c.token_ids, list(c.logprobs or []))
             state.done = done
             # The role travels with the first engine output (vLLM 0.32), so a client that
