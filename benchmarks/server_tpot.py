@@ -134,18 +134,6 @@ def loop_counters(base: str) -> dict[str, float]:
     return {k.removeprefix("segserve:"): v for k, v in out.items()}
 
 
-def loop_thread_cpu_s(pid: int | None) -> float:
-    """CPU seconds of a server's main thread (its event loop: HTTP, SSE encoding), from /proc."""
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/task/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-# ---- scheduler counters -------------------------------------------------------------------------------
-
-
 def read_thread(pid: int, tid: int | str) -> tuple[int, int, int, int] | None:
     """One thread's (ns on a core, ns runnable off a core, voluntary, involuntary context switches) from
     ``/proc/<pid>/task/<tid>/{schedstat,status}``; None when the thread has gone."""
@@ -179,7 +167,8 @@ def thread_counters(pid: int) -> dict[int, tuple[int, int, int, int]]:
 def sched_per_token(before: dict, after: dict, pid: int, tokens: int, loop: bool) -> dict[str, float]:
     """Per token, from two :func:`thread_counters` snapshots: the engine's threads (those that ran > 1
     ms, the loop's thread excluded when ``loop``) runnable-but-waiting ms and preemptions; with ``loop``
-    the wakes of ``pid``'s main thread (the server's event loop)."""
+    the CPU ms (on-core time, from ``schedstat``) and wakes of ``pid``'s main thread (the server's event
+    loop: HTTP, SSE encoding)."""
     out = {"engine_wait_ms_per_token": 0.0, "engine_preempted_per_token": 0.0}
     for tid, b in after.items():
         a = before.get(tid)
@@ -188,6 +177,7 @@ def sched_per_token(before: dict, after: dict, pid: int, tokens: int, loop: bool
         out["engine_wait_ms_per_token"] += (b[1] - a[1]) / 1e6 / tokens
         out["engine_preempted_per_token"] += (b[3] - a[3]) / tokens
     if loop and pid in after and pid in before:
+        out["server_loop_cpu_ms_per_token"] = (after[pid][0] - before[pid][0]) / 1e6 / tokens
         out["loop_wakes_per_token"] = (after[pid][2] - before[pid][2]) / tokens
     return out
 
@@ -210,12 +200,12 @@ def server_request(base: str, ids: list[int], n: int, client: str = "stdlib", pi
             await sc._stream_one(c, url, body, timing, time.perf_counter())
         return timing
 
-    before, cpu0, loop0 = loop_counters(base), sum(os.times()[:2]), loop_thread_cpu_s(pid)
+    before, cpu0 = loop_counters(base), sum(os.times()[:2])
     threads0 = thread_counters(pid) if pid is not None else {}
     timing = asyncio.run(with_httpx()) if client == "httpx" else sc.stream_one_blocking(url, body,
                                                                                           time.perf_counter())
     threads1 = thread_counters(pid) if pid is not None else {}
-    cpu1, loop1 = sum(os.times()[:2]), loop_thread_cpu_s(pid)
+    cpu1 = sum(os.times()[:2])
     after = loop_counters(base)
     if not timing.ok or len(timing.chunk_times) < 2:
         raise RuntimeError(f"streamed request failed: {timing.error}")
@@ -223,7 +213,6 @@ def server_request(base: str, ids: list[int], n: int, client: str = "stdlib", pi
     per_token = {k: 1000.0 * (after[k] - before[k]) / len(times) for k in after}
     return {"tpot_ms": 1000.0 * (times[-1] - times[0]) / (len(times) - 1), "tokens": len(times),
             "client_cpu_ms_per_token": 1000.0 * (cpu1 - cpu0) / len(times),
-            "server_loop_cpu_ms_per_token": 1000.0 * (loop1 - loop0) / len(times),
             **{f"{k}_ms_per_token": v for k, v in per_token.items()},
             **(sched_per_token(threads0, threads1, pid, len(times), loop=True) if pid is not None else {})}
 

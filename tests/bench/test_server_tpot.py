@@ -48,7 +48,7 @@ def test_per_token_counters_leave_out_idle_threads_and_the_loop() -> None:
              104: (9_000_000, 9_000_000, 9, 9)}  # started during the request: left out
     got = st.sched_per_token(before, after, pid, tokens=10, loop=True)
     assert got == {"engine_wait_ms_per_token": pytest.approx(0.3), "engine_preempted_per_token": 0.8,
-                   "loop_wakes_per_token": 4.0}
+                   "server_loop_cpu_ms_per_token": 0.5, "loop_wakes_per_token": 4.0}
     offline = st.sched_per_token(before, after, pid, tokens=10, loop=False)  # the main thread is the engine's
     assert offline == {"engine_wait_ms_per_token": pytest.approx(0.39), "engine_preempted_per_token": 0.9}
 
