@@ -15,8 +15,9 @@ class AttentionBackend(Protocol):
     """What a model layer calls: write the step's K/V into the cache, then attend.
 
     ``forward(q [T_padded, Hq, D], k [T_padded, Hkv, D], v [T_padded, Hkv, D],
-    kv_cache [2, num_blocks, block_size, Hkv, D], metadata, scale) -> [T_padded, Hq, D]`` in q's dtype,
-    padding rows zero.
+    kv_cache [2, num_blocks, block_size, Hkv, D], metadata, scale, kv_written=False) -> [T_padded, Hq, D]``
+    in q's dtype, padding rows zero. ``kv_written``: the step's K/V rows are in the cache already (a
+    fused projection wrote them there: ``amx.RopeKV``), so the backend does not write them again.
     """
 
     name: str
@@ -29,6 +30,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor: ...
 
 

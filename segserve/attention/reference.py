@@ -25,8 +25,10 @@ class ReferenceAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Write the step's K/V to the cache, then attend each request's queries to its prior + itself.
+        """Write the step's K/V to the cache (unless ``kv_written``: they are there already), then attend
+        each request's queries to its prior + itself.
 
         Args:
             q: ``[T_padded, Hq, D]`` queries of the step's active tokens (RoPE applied).
@@ -38,7 +40,8 @@ class ReferenceAttentionBackend:
         Returns:
             ``[T_padded, Hq, D]`` in q's dtype; padding rows are zeros. Computed in float32.
         """
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        if not kv_written:
+            write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.zeros_like(q)
         qsl = metadata.query_start_loc_cpu
         for i, prior in enumerate(metadata.prior_tokens_cpu):

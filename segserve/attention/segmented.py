@@ -216,8 +216,10 @@ class SegmentedAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Write the step's K/V to the cache, then attend each request to its prior segments + itself.
+        """Write the step's K/V to the cache (unless ``kv_written``: a fused projection wrote them), then
+        attend each request to its prior segments + itself.
 
         Args:
             q: ``[T_padded, Hq, D]`` queries of the step's active tokens (RoPE applied).
@@ -236,7 +238,8 @@ class SegmentedAttentionBackend:
         Raises:
             ValueError: when ``kv_segment_size`` is not a positive multiple of the cache's block size.
         """
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        if not kv_written:
+            write_kv(kv_cache, k, v, metadata.slot_mapping)
         compiled = cpu_kernels.enabled() and cpu_kernels.supports_cache(kv_cache, q.dtype, q.shape[1])
         plan = self._step_plan(metadata, kv_cache, compiled)
         if compiled:  # the decodes in one C call (q is already in the cache dtype)

@@ -13,6 +13,7 @@ alternate with it in one process).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +24,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int32
 _L = ctypes.c_int64
 
-_EPILOGUES = {None: 0, "residual": 1, "silu_mul": 2}
+_EPILOGUES = {None: 0, "residual": 1, "silu_mul": 2, "rope_kv": 3}
 _ERRORS = {-1: "unsupported shape",
            -5: "argument struct of another size (the library and amx.py disagree on its layout)",
            -6: "AMX not available in this process"}
@@ -48,13 +49,20 @@ class _PackArgs(ctypes.Structure):
     _fields_ = [("size", _L), ("N", _L), ("K", _L), ("w", _P), ("ldw", _L), ("packed", _P)]
 
 
+# The GEMM's fields, shared with ``sg_bf16gemm_args`` (bf16gemm.py), which has them in the same order.
+GEMM_FIELDS = [
+    ("size", _L), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L), ("packed", _P), ("bias", _P),
+    ("y", _P), ("ldy", _L), ("ydt", _I), ("epilogue", _I),
+]
+
+
 @cpu_kernels._sized
 class _LinearArgs(ctypes.Structure):
-    """``sg_amx_linear_args`` (its fields are documented in the C source)."""
+    """``sg_amx_linear_args`` (its fields are documented in the C source): the GEMM's, then EPI_ROPE_KV's."""
 
     _fields_ = [
-        ("size", _L), ("M", _L), ("N", _L), ("K", _L), ("x", _P), ("ldx", _L), ("packed", _P), ("bias", _P),
-        ("y", _P), ("ldy", _L), ("ydt", _I), ("epilogue", _I),
+        *GEMM_FIELDS, ("D", _L), ("rope_heads", _L), ("kv_heads", _L), ("cos", _P), ("ssin", _P),
+        ("slots", _P), ("n_slots", _L), ("kv_cache", _P), ("num_slots", _L),
     ]
 
 
@@ -159,6 +167,52 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+@dataclass(frozen=True)
+class RopeKV:
+    """The fused QKV projection's epilogue for :func:`linear`: RoPE of the Q and K heads and the K/V
+    write, in the GEMM's stores instead of ``cpu.rope_`` and ``cpu.write_kv`` passes over its output.
+
+    Attributes:
+        num_heads, num_kv_heads, head_dim: Hq, Hkv, D; the output columns are ``(Hq + 2 Hkv) D``, Q
+            heads then K then V; D a multiple of 32.
+        cos, sin: ``(M, D)`` bfloat16 contiguous: the float32 rows ``cpu.rope_`` takes (of
+            ``segserve.models.llama.rope_table``; ``sin`` signed, first half negated) rounded to bfloat16,
+            as ``rope_`` rounds them before use (``.bfloat16()``); once per step, not per layer.
+        kv_cache: the layer's ``[2, num_blocks, block_size, Hkv, D]`` bfloat16 contiguous cache.
+        slot_mapping: ``(n,)`` int64 contiguous, the cache slot of rows ``0 .. n - 1`` (``n <= M``;
+            later rows are padding and write no cache).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def check(self, m: int, n: int) -> None:
+        """Raise ``ValueError`` naming what does not fit an ``(m, n)`` projection output."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if d < 32 or d % 32 or hkv < 1 or hq < 1 or n != (hq + 2 * hkv) * d:
+            raise ValueError(f"rope_kv needs n = (num_heads + 2 num_kv_heads) head_dim with head_dim a "
+                             f"multiple of 32, got n={n}, heads {hq} / {hkv}, head_dim {d}")
+        for name, t in (("cos", self.cos), ("sin", self.sin)):
+            if t.dtype != torch.bfloat16 or t.shape != (m, d) or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"rope_kv.{name} must be contiguous bfloat16 ({m}, {d}) on the CPU, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        c = self.kv_cache
+        if c.dtype != torch.bfloat16 or c.dim() != 5 or c.shape[0] != 2 or c.shape[3:] != (hkv, d) \
+                or not c.is_contiguous() or c.device.type != "cpu":
+            raise ValueError(f"rope_kv.kv_cache must be a contiguous [2, blocks, block_size, {hkv}, {d}] "
+                             f"bfloat16 CPU tensor, got {tuple(c.shape)} {c.dtype}")
+        s = self.slot_mapping
+        if s.dtype != torch.int64 or s.dim() != 1 or not s.is_contiguous() or s.shape[0] > m \
+                or s.device.type != "cpu":
+            raise ValueError(f"rope_kv.slot_mapping must be contiguous 1-D int64 of at most {m} rows, got "
+                             f"{tuple(s.shape)} {s.dtype}")
+
+
 def linear_output(
     x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
     residual: torch.Tensor | None, silu_mul: bool, out_dtype: torch.dtype,
@@ -217,6 +271,7 @@ def linear(
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
+    rope_kv: RopeKV | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` on AMX tiles for the ``(n, k)`` weight ``W`` that :func:`pack` packed.
 
@@ -228,23 +283,39 @@ def linear(
         silu_mul: ``W`` is a fused ``[gate; up]`` (n = 2 I): returns ``silu(gate) * up`` ``(M, I)``,
             rounded where ``F.silu(gate).mul_(up)`` rounds.
         out_dtype: bfloat16 or float32 for a plain output (the epilogues give bfloat16).
+        rope_kv: ``W`` is a fused QKV projection: the result's Q and K heads rotated as ``cpu.rope_``
+            rotates them, and its K and V rows written to ``rope_kv.kv_cache`` as ``cpu.write_kv``
+            writes them (:class:`RopeKV`); the same bits as those passes after the plain product.
 
     Returns:
         ``residual`` when given, else a new ``(M, n)`` (``(M, n/2)`` for ``silu_mul``) tensor.
 
     Raises:
-        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit).
+        ValueError: on a dtype, device, shape or stride the kernel does not take (named with the limit),
+            or a slot of ``rope_kv.slot_mapping`` outside the cache (nothing written then).
         RuntimeError: when AMX cannot run in this process (check :func:`available` first).
     """
     y, epilogue = linear_output(x, packed, n, k, bias, residual, silu_mul, out_dtype)
+    rope = ()
+    if rope_kv is not None:
+        if epilogue or out_dtype != torch.bfloat16:
+            raise ValueError("rope_kv takes a plain bfloat16 output (no residual, no silu_mul)")
+        rope_kv.check(x.shape[0], n)
+        epilogue, c = _EPILOGUES["rope_kv"], rope_kv.kv_cache
+        rope = (rope_kv.head_dim, rope_kv.num_heads + rope_kv.num_kv_heads, rope_kv.num_kv_heads,
+                rope_kv.cos.data_ptr(), rope_kv.sin.data_ptr(), rope_kv.slot_mapping.data_ptr(),
+                rope_kv.slot_mapping.shape[0], c.data_ptr(), c.shape[1] * c.shape[2])
     lib = _library()
     if lib is None or not hardware_ready():
         raise RuntimeError(f"AMX GEMM unavailable: {unavailable_reason()}")
     rc = lib.sg_amx_linear(_LinearArgs(  # positional: ctypes builds a struct from keywords ~2x slower
         _LinearArgs.SIZE, x.shape[0], n, k, x.data_ptr(), x.stride(0), packed.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-        0 if y.dtype == torch.float32 else 1, epilogue,
+        0 if y.dtype == torch.float32 else 1, epilogue, *rope,
     ))
+    if rc == -1 and rope:  # linear_output and RopeKV.check passed: only a slot can be out of range
+        c = rope_kv.kv_cache
+        raise ValueError(f"a slot in rope_kv.slot_mapping is outside [0, {c.shape[1] * c.shape[2]})")
     _check(rc, "sg_amx_linear")
     return y
 

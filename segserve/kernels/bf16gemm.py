@@ -37,9 +37,12 @@ pack = amx.pack
 supports = amx.supports
 
 
-# ``sg_bf16gemm_args`` has the fields of ``sg_amx_linear_args`` in the same order (the C source says so),
-# so one ctypes layout serves both.
-_GemmArgs = amx._LinearArgs
+@cpu_kernels._sized
+class _GemmArgs(ctypes.Structure):
+    """``sg_bf16gemm_args``: the GEMM fields of ``sg_amx_linear_args``, in the same order (``amx.GEMM_FIELDS``;
+    the AMX one adds its RoPE epilogue's)."""
+
+    _fields_ = amx.GEMM_FIELDS
 
 
 @cpu_kernels._sized

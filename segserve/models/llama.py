@@ -324,6 +324,15 @@ class LlamaAttention(nn.Module):
         out = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # (T, Hq, D)
         return out.reshape(t, hq * self.head_dim)
 
+    def attend_rotated(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+                       ) -> torch.Tensor:
+        """:meth:`attend` for ``qkv`` ``(T, (Hq + 2 Hkv) D)`` already rotated, with its K/V rows already
+        in ``kv_cache`` at ``metadata.slot_mapping`` (the fused projection of ``amx.RopeKV``)."""
+        t, hq, hkv = qkv.shape[0], self.num_heads, self.num_kv_heads
+        q, k, v = qkv.view(t, hq + 2 * hkv, self.head_dim).split((hq, hkv, hkv), dim=1)
+        out = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale, kv_written=True)
+        return out.reshape(t, hq * self.head_dim)  # (T, Hq D)
+
 
 class LlamaMLP(nn.Module):
     """SwiGLU with a fused gate/up projection: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""

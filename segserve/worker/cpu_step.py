@@ -420,14 +420,16 @@ def forward_chunk(
 ) -> torch.Tensor:
     """The model's forward for a step of many rows: the projections as the layers' own linears (oneDNN
     packed GEMMs), or with ``tile_weights`` (:func:`tile_layer_weights`) as :func:`tile_gemm`'s GEMMs
-    (AMX, else bf16gemm) with the SiLU gate fused into the gate/up one's stores; the elementwise work
-    between them in compiled row passes instead of ~15 eager ops: ``h += branch`` fused with the next
-    RMSNorm (the last layer's with the final norm), the SiLU gate, RoPE in place. Same rounding points
-    as the eager model, so equal to it within the norms' (and the GEMMs') summation order.
+    (AMX, else bf16gemm) with the SiLU gate fused into the gate/up one's stores and, on AMX, RoPE and the
+    KV write into the QKV one's (:func:`rope_kv_tables`); the elementwise work between them in compiled
+    row passes instead of ~15 eager ops: ``h += branch`` fused with the next RMSNorm (the last layer's
+    with the final norm), the SiLU gate, RoPE in place. Same rounding points as the eager model, so
+    equal to it within the norms' (and the GEMMs') summation order.
     ``input_ids``/``positions`` ``(T,)``; returns ``(T, H)`` after the final norm."""
     model.check_kv_caches(kv_caches)
     h = model.embed_tokens(input_ids)  # (T, H)
     cos, sin = model.rope_at(positions)  # (T, D) float32 each
+    fused = rope_kv_tables(model, cos, sin, kv_caches, tile_weights)  # (T, D) bfloat16 each, or None
     layers = model.layers
     first = layers[0].input_layernorm
     x = cpu_kernels.add_rmsnorm_(h, first.weight, first.eps)  # (T, H)
@@ -438,13 +440,35 @@ def forward_chunk(
         if branch is not None:  # the previous layer's MLP output joins h, then this layer's norm
             ln1 = layer.input_layernorm
             cpu_kernels.add_rmsnorm_(h, ln1.weight, ln1.eps, add=branch, out=x)
-        qkv = _project(attn.qkv_proj, x, packed[0])  # (T, (Hq + 2 Hkv) D)
-        out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
+        if fused is not None:  # RoPE and the KV write in the QKV GEMM's stores
+            rope = amx.RopeKV(attn.num_heads, attn.num_kv_heads, attn.head_dim, *fused, kv_cache,
+                              metadata.slot_mapping)
+            proj = attn.qkv_proj
+            qkv = amx.linear(x, packed[0], proj.out_features, proj.in_features, proj.bias, rope_kv=rope)
+            out = attn.attend_rotated(qkv, kv_cache, metadata)  # (T, Hq D)
+        else:
+            qkv = _project(attn.qkv_proj, x, packed[0])  # (T, (Hq + 2 Hkv) D)
+            out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
         ln2 = layer.post_attention_layernorm
         cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, add=_project(attn.o_proj, out, packed[1]), out=x)
         act = _project(mlp.gate_up_proj, x, packed[2], silu_mul=True)  # (T, I)
         branch = _project(mlp.down_proj, act, packed[3])  # (T, H)
     return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=branch)
+
+
+def rope_kv_tables(model: LlamaForCausalLM, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                   tile_weights: list[tuple[torch.Tensor, ...]] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(cos, sin)`` rounded to bfloat16 (``(T, D)`` each, ``amx.RopeKV``'s tables, made once a step)
+    when this step's QKV projections can rotate Q and K and write K and V in their stores: AMX GEMMs
+    over tile weights, the compiled kernels on, bfloat16 caches, a head dim that is a multiple of 32.
+    Else None (the projection, then ``cpu.rope_`` and the backend's KV write, as passes of their own).
+    A 4,096-token bfloat16 prefill: 30 layers of QKV + RoPE + KV write 116 -> 94 ms (docs/perf.md,
+    "Twenty-first session")."""
+    attn = model.layers[0].self_attn
+    if tile_weights is None or tile_gemm() is not amx or not cpu_kernels.enabled() or attn.head_dim % 32 \
+            or any(c.dtype != torch.bfloat16 or not c.is_contiguous() for c in kv_caches):
+        return None
+    return cos.bfloat16(), sin.bfloat16()
 
 
 def _project(linear: PackedLinear | QuantLinear, x: torch.Tensor, packed: torch.Tensor | None,

@@ -22,6 +22,7 @@ from segserve.attention.metadata import build_attention_metadata  # noqa: E402
 from segserve.kernels import amx, bf16gemm, build  # noqa: E402
 from segserve.kernels import cpu as cpu_kernels  # noqa: E402
 from segserve.models.loader import load_model  # noqa: E402
+from segserve.worker import cpu_step  # noqa: E402
 from segserve.worker.cpu_step import AMX_MIN_ROWS, CpuStep  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -208,3 +209,45 @@ def test_amx_prefill_gives_the_greedy_tokens_of_the_onednn_path(tiny_dir, amx_ca
         tokens[on] = [o.outputs[0].token_ids for o in outs]
     assert amx_calls["amx"] > 0
     assert tokens[True] == tokens[False]
+
+
+@pytest.fixture(scope="module")
+def wide_head_dir(tmp_path_factory):
+    """The tiny Llama with 32-wide heads (hidden 128, 4 heads): what the fused RoPE + KV write takes."""
+    path = tmp_path_factory.mktemp("llama_d32")
+    save_tiny_hf_dir(path, tiny_hf_model("llama", hidden_size=128), train_tiny_tokenizer())
+    return path
+
+
+@needs_amx
+def test_large_bf16_steps_rotate_and_write_kv_in_the_qkv_gemm_with_the_same_bits(
+    wide_head_dir, calls, monkeypatch
+) -> None:
+    """A 12-row bfloat16 step of a model with 32-wide heads: RoPE and the KV write happen in the QKV GEMM's
+    stores (no rope_ pass), and the hidden states and every cache equal those of the separate passes."""
+    model = load_model(wide_head_dir, dtype=torch.bfloat16).model
+    query_lens = [1, 8, 3]
+    n = len(query_lens)
+    rows = [[1 + 4 * r + i for i in range(4)] for r in range(n)]
+    md = build_attention_metadata(query_lens, [6] * n, rows, BLOCK, 4, 8)
+    ids = torch.cat([torch.arange(20, 20 + q) for q in query_lens])
+    positions = torch.cat([torch.arange(6, 6 + q) for q in query_lens])
+    base = new_caches(model, 4 * n + 1, BLOCK)
+    with cpu_kernels.disabled():
+        for row in rows:
+            model(torch.arange(6), torch.arange(6), base, build_attention_metadata([6], [0], [row], BLOCK, 4, 8))
+    step = CpuStep(model)
+    step.prepack()
+    results = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(cpu_step, "rope_kv_tables", lambda *a: None)
+        caches = [c.clone() for c in base]
+        calls["rope_"] = 0
+        with torch.inference_mode():
+            results[fused] = (step.forward(ids, positions, caches, md), caches, calls["rope_"])
+    (got, got_caches, fused_ropes), (want, want_caches, ropes) = results[True], results[False]
+    assert (fused_ropes, ropes) == (0, 2)  # one rope_ pass a layer without the fused epilogue
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for g, w in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16))

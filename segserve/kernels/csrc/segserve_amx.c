@@ -79,7 +79,7 @@
 
 enum { AMX_OK = 0, AMX_ERR_SHAPE = -1, AMX_ERR_LAYOUT = -5, AMX_ERR_NO_AMX = -6 };
 enum { AMX_DT_F32 = 0, AMX_DT_BF16 = 1 };
-enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2 };
+enum { EPI_NONE = 0, EPI_RESIDUAL = 1, EPI_SILU_MUL = 2, EPI_ROPE_KV = 3 };
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
 #ifndef L2_W_BYTES
@@ -226,6 +226,11 @@ typedef struct store_plan {
     int64_t ldy;
     void *y;
     const uint16_t *bias; /* (N,) bf16 or NULL */
+    /* EPI_ROPE_KV only: sg_amx_linear_args' fields of the same names */
+    int64_t D, rope_heads, kv_heads, n_slots, num_slots;
+    const uint16_t *cos, *ssin;
+    const int64_t *slots;
+    uint16_t *kv_cache;
 } store_plan;
 
 /* 16 float32 lanes rounded to bfloat16 (nearest even) and stored: the bits sg_bf16_store16 writes
@@ -238,8 +243,15 @@ static inline void store_bf16_rounded(uint16_t *p, __m512 v) {
 /* Row r of accumulator buffer c (rows x 16 float32) to output row m0 + r, columns col .. col + 15 (bias
  * columns bcol ..); ``up`` the paired up-projection buffer for EPI_SILU_MUL, whose output column is
  * ``col`` of the (M, N/2) result and whose bias columns are ``bcol_up`` .. */
+static inline void rope_kv_row(const store_plan *p, const float *c, const float *hi_acc, int r, int64_t m,
+                               int64_t col, int64_t col_hi);
+
 static inline void store_row(const store_plan *p, const float *c, const float *up, int r, int64_t m0, int64_t col,
                              int64_t bcol, int64_t bcol_up) {
+    if (p->epilogue == EPI_ROPE_KV) {
+        rope_kv_row(p, c, up, r, m0 + r, col, bcol_up);
+        return;
+    }
     __m512 v = _mm512_loadu_ps(c + r * 16);
     if (p->bias) v = _mm512_add_ps(v, sg_bf16x16_to_f32(p->bias + bcol));
     int64_t at = (m0 + r) * p->ldy + col;
@@ -258,6 +270,45 @@ static inline void store_row(const store_plan *p, const float *c, const float *u
         store_bf16_rounded((uint16_t *)p->y + at, _mm512_add_ps(sg_bf16x16_to_f32((uint16_t *)p->y + at), v));
     } else {
         store_bf16_rounded((uint16_t *)p->y + at, v);
+    }
+}
+
+/* EPI_ROPE_KV, row m: 16 dims d .. d + 15 of a head (col = head * D + d, d < D / 2) from accumulator c and
+ * their rotation partners d + D / 2 (col_hi) from hi_acc. Each is rounded to bfloat16 as the plain store
+ * rounds it; a Q or K head is then rotated as sg_rope rotates the stored rows (with its tables as sg_rope
+ * rounds them, each product and sum rounded: segserve_cpu.c's rope_row16's operations in its order), so
+ * y gets the bits of this GEMM's plain output after sg_rope. K and V heads also go to the row's cache
+ * slot (rows below n_slots), the bits sg_write_kv copies there. */
+static inline void rope_kv_row(const store_plan *p, const float *c, const float *hi_acc, int r, int64_t m,
+                               int64_t col, int64_t col_hi) {
+    __m512 lo = _mm512_loadu_ps(c + r * 16), hi = _mm512_loadu_ps(hi_acc + r * 16);
+    if (p->bias) {
+        lo = _mm512_add_ps(lo, sg_bf16x16_to_f32(p->bias + col));
+        hi = _mm512_add_ps(hi, sg_bf16x16_to_f32(p->bias + col_hi));
+    }
+    lo = sg_bf16_round16(lo);
+    hi = sg_bf16_round16(hi);
+    const int64_t D = p->D, half = D / 2, head = col / D, d = col - head * D;
+    if (head < p->rope_heads) {
+        const uint16_t *cs = p->cos + m * D, *sn = p->ssin + m * D;
+        const __m512 c_lo = sg_bf16x16_to_f32(cs + d), s_lo = sg_bf16x16_to_f32(sn + d);
+        const __m512 c_hi = sg_bf16x16_to_f32(cs + half + d), s_hi = sg_bf16x16_to_f32(sn + half + d);
+        const __m512 a_lo = sg_bf16_round16_exact(_mm512_mul_ps(lo, c_lo));
+        const __m512 b_lo = sg_bf16_round16_exact(_mm512_mul_ps(hi, s_lo));
+        const __m512 a_hi = sg_bf16_round16_exact(_mm512_mul_ps(hi, c_hi));
+        const __m512 b_hi = sg_bf16_round16_exact(_mm512_mul_ps(lo, s_hi));
+        lo = sg_bf16_round16_exact(_mm512_add_ps(a_lo, b_lo));
+        hi = sg_bf16_round16_exact(_mm512_add_ps(a_hi, b_hi));
+    }
+    uint16_t *y = (uint16_t *)p->y + m * p->ldy;
+    sg_bf16_store16(y + col, lo);
+    sg_bf16_store16(y + col_hi, hi);
+    const int64_t kv = head - (p->rope_heads - p->kv_heads); /* 0 .. 2 Hkv - 1: K heads, then V heads */
+    if (kv >= 0 && m < p->n_slots) {
+        const int64_t Hkv = p->kv_heads, v = kv >= Hkv;
+        uint16_t *dst = p->kv_cache + v * p->num_slots * Hkv * D + (p->slots[m] * Hkv + kv - v * Hkv) * D;
+        sg_bf16_store16(dst + d, lo);
+        sg_bf16_store16(dst + half + d, hi);
     }
 }
 
@@ -437,7 +488,16 @@ typedef struct {
     void *y;               /* (M, N) (EPI_SILU_MUL: (M, N/2)), row stride ldy */
     int64_t ldy;           /* row stride of y, elements */
     int32_t ydt;           /* dtype of y: 0 float32, 1 bfloat16 (the epilogues need bfloat16) */
-    int32_t epilogue;      /* EPI_NONE, EPI_RESIDUAL (y = bf16(y + bf16(acc))), EPI_SILU_MUL (gate | up) */
+    int32_t epilogue;      /* EPI_NONE, EPI_RESIDUAL, EPI_SILU_MUL (gate | up), EPI_ROPE_KV (see below) */
+    int64_t D;                   /* EPI_ROPE_KV's fields from here (else ignored): head dim, a multiple of 32 */
+    int64_t rope_heads;          /* heads rotated: Q then K, [0, rope_heads) */
+    int64_t kv_heads;            /* K heads [rope_heads - kv_heads, rope_heads); V heads after them */
+    const uint16_t *cos;         /* (M, D) bfloat16 rows (sg_rope's float32 tables rounded, as it rounds them) */
+    const uint16_t *ssin;        /* (M, D) bfloat16 rows, sin with its first half negated */
+    const int64_t *slots;        /* (n_slots,) cache slot of rows 0 .. n_slots - 1 */
+    int64_t n_slots;             /* rows with a slot (<= M); the rest (padding) write no cache */
+    uint16_t *kv_cache;          /* [2, num_slots, kv_heads, D] bfloat16 contiguous (K then V) */
+    int64_t num_slots;           /* slots of the cache (num_blocks x block_size) */
 } sg_amx_linear_args;
 
 /* A thread's state across its microkernels (internal, tagged like tile_config): two accumulator buffers
@@ -450,20 +510,43 @@ typedef struct gemm_state {
     line_stream ls; /* prefetches of x for the next item */
 } gemm_state;
 
+/* Whether a unit is two column blocks (their accumulators stored together): the SiLU gate's gate block
+ * and its up block, or RoPE's dims d .. d + 15 of a head and their partners d + D / 2 .. */
+static inline int units_paired(const sg_amx_linear_args *a) {
+    return a->epilogue == EPI_SILU_MUL || a->epilogue == EPI_ROPE_KV;
+}
+
+/* Column block of unit u: its only one, or of a paired unit the first (hi = 0) or the second (hi = 1).
+ * EPI_SILU_MUL: gate block u, up block N/32 + u; EPI_ROPE_KV: the head's block u mod (D/32) of its first
+ * half and the matching block of its second half. */
+static inline int64_t unit_block(const sg_amx_linear_args *a, int64_t u, int hi) {
+    if (a->epilogue == EPI_SILU_MUL) return hi ? a->N / 32 + u : u;
+    if (a->epilogue == EPI_ROPE_KV) {
+        const int64_t per = a->D / 32, head = u / per; /* units per head */
+        return head * 2 * per + u % per + (hi ? per : 0);
+    }
+    return u;
+}
+
+/* The output column of unit u's (first) block: the SiLU gate writes (M, N/2), the others (M, N). */
+static inline int64_t unit_col(const sg_amx_linear_args *a, int64_t u) { return 16 * unit_block(a, u, 0); }
+
 /* Column units [u, u + units) over row tiles [t0, t1): the microkernel per row tile (pair). ``pair``: take
  * row tiles two at a time (2 x 2 kernel) where two are left. Accumulators go to the next buffer, their
  * rows queued for the next microkernel to drain. */
 AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, int64_t u, int units, int64_t t0,
                              int64_t t1, int pair, gemm_state *st) {
     const int64_t M = a->M, KS = a->K / 32, ldxb = a->ldx * 2;
-    const int silu = a->epilogue == EPI_SILU_MUL;
-    const int64_t half = a->N / 32; /* EPI_SILU_MUL: column blocks of the gate half */
-    const int rows = M < 16 ? (int)M : 16, nr = silu ? 2 * units : units;
+    const int paired = units_paired(a);
+    const int rows = M < 16 ? (int)M : 16, nr = paired ? 2 * units : units;
     store_queue *q = &st->q;
     const uint16_t *b[4];
+    int64_t lo[4], hi[4]; /* each unit's column block(s) (up to 4 units: 1 x 4 blocks, unpaired) */
     for (int j = 0; j < units; j++) {
-        b[j] = a->packed + (u + j) * KS * TILE_ELEMS;
-        if (silu) b[units + j] = a->packed + (half + u + j) * KS * TILE_ELEMS;
+        lo[j] = unit_block(a, u + j, 0);
+        hi[j] = unit_block(a, u + j, 1);
+        b[j] = a->packed + lo[j] * KS * TILE_ELEMS;
+        if (paired) b[units + j] = a->packed + hi[j] * KS * TILE_ELEMS;
     }
     for (int64_t t = t0; t < t1;) {
         int skip0, skip1;
@@ -479,16 +562,16 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
             d.ldo = a->ldy * esz;
             kernel_2x(a->x + m0 * a->ldx, a->x + m1 * a->ldx, ldxb, b, nr, KS, &d, p, q, &st->ls);
             for (int j = 0; j < units; j++) {
-                int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
-                queue_push(q, cb[j], silu ? cb[1] : NULL, skip0, 16, m0, col, col, bu);
-                queue_push(q, cb[2 + j], silu ? cb[3] : NULL, skip1, 16, m1, col, col, bu);
+                const int64_t col = unit_col(a, u + j), blo = 16 * lo[j], bhi = 16 * hi[j];
+                queue_push(q, cb[j], paired ? cb[1] : NULL, skip0, 16, m0, col, blo, bhi);
+                queue_push(q, cb[2 + j], paired ? cb[3] : NULL, skip1, 16, m1, col, blo, bhi);
             }
             t += 2;
         } else {
             kernel_1x(a->x + m0 * a->ldx, ldxb, b, nr, KS, &d, p, q);
             for (int j = 0; j < units; j++) {
-                int64_t col = 16 * (u + j), bu = 16 * (half + u + j);
-                queue_push(q, cb[j], silu ? cb[units + j] : NULL, skip0, rows, m0, col, col, bu);
+                const int64_t col = unit_col(a, u + j), blo = 16 * lo[j], bhi = 16 * hi[j];
+                queue_push(q, cb[j], paired ? cb[units + j] : NULL, skip0, rows, m0, col, blo, bhi);
             }
             t += 1;
         }
@@ -500,8 +583,8 @@ AMX_TARGET static void panel(const sg_amx_linear_args *a, const store_plan *p, i
  * blocks where the item has a single row tile). */
 AMX_TARGET static void gemm_item(const sg_amx_linear_args *a, const store_plan *p, int64_t c0, int64_t c1,
                                  int64_t t0, int64_t t1, gemm_state *st) {
-    const int silu = a->epilogue == EPI_SILU_MUL, pair = t1 - t0 >= 2;
-    const int64_t per = (pair ? 2 : 4) / (silu ? 2 : 1); /* units per panel */
+    const int pair = t1 - t0 >= 2;
+    const int64_t per = (pair ? 2 : 4) / (units_paired(a) ? 2 : 1); /* units per panel */
     /* Prefetches spread over the item's K steps: the rows of x this thread likely takes next (items go
      * column chunk first) into L2, so that the next item's first panel does not wait on memory. */
     const int64_t steps = (c1 - c0 + per - 1) / per * ((t1 - t0) / 2) * (a->K / 32);
@@ -510,23 +593,46 @@ AMX_TARGET static void gemm_item(const sg_amx_linear_args *a, const store_plan *
     for (int64_t u = c0; u < c1; u += per) panel(a, p, u, (int)(c1 - u < per ? c1 - u : per), t0, t1, pair, st);
 }
 
-/* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE, or
- * ERR_NO_AMX where sg_amx_granted() is 0. */
+/* EPI_ROPE_KV's fields: whether they describe a fused QKV output this call can write (every slot
+ * checked, so a bad one writes nothing anywhere). */
+static int rope_kv_ok(const sg_amx_linear_args *a) {
+    const int64_t D = a->D, H = a->rope_heads, Hkv = a->kv_heads;
+    if (D < 32 || D % 32 || Hkv < 1 || H <= Hkv || a->N != (H + Hkv) * D || !a->cos || !a->ssin) return 0;
+    if (a->n_slots < 0 || a->n_slots > a->M || (a->n_slots && (!a->slots || !a->kv_cache))) return 0;
+    for (int64_t m = 0; m < a->n_slots; m++)
+        if (a->slots[m] < 0 || a->slots[m] >= a->num_slots) return 0;
+    return 1;
+}
+
+/* y = x W^T (+ bias) through the epilogue, W from sg_amx_pack. Returns OK, ERR_LAYOUT, ERR_SHAPE (nothing
+ * written), or ERR_NO_AMX where sg_amx_granted() is 0. EPI_RESIDUAL: y = bf16(y + bf16(acc)).
+ *
+ * EPI_ROPE_KV: W is a fused QKV projection (N = (rope_heads + kv_heads) * D output columns: the Q heads,
+ * the K heads, the V heads) and y (M, N) gets what the plain product would after sg_rope of its
+ * first rope_heads heads (RoPE in the stores, while the tile unit runs the next products, instead of a
+ * pass over y), and each row below n_slots also its K and V heads in its cache slot (sg_write_kv's
+ * copy). A unit is then a pair of column blocks 16 x D/2 apart, so a rotated pair of dims is stored by
+ * one call. Same bits as the plain product, sg_rope and sg_write_kv in turn. */
 AMX_TARGET int sg_amx_linear(const sg_amx_linear_args *a) {
     if (a->size != (int64_t)sizeof *a) return AMX_ERR_LAYOUT;
     if (!sg_amx_granted()) return AMX_ERR_NO_AMX;
     const int64_t M = a->M, N = a->N, K = a->K;
-    const int epi = a->epilogue, silu = epi == EPI_SILU_MUL;
-    if (M < 1 || N < 16 || K < 32 || N % (silu ? 32 : 16) || K % 32 || a->ldx < K) return AMX_ERR_SHAPE;
-    if (epi < EPI_NONE || epi > EPI_SILU_MUL || (epi != EPI_NONE && a->ydt != AMX_DT_BF16)) return AMX_ERR_SHAPE;
+    const int epi = a->epilogue, silu = epi == EPI_SILU_MUL, paired = units_paired(a);
+    if (M < 1 || N < 16 || K < 32 || N % (paired ? 32 : 16) || K % 32 || a->ldx < K) return AMX_ERR_SHAPE;
+    if (epi < EPI_NONE || epi > EPI_ROPE_KV || (epi != EPI_NONE && a->ydt != AMX_DT_BF16)) return AMX_ERR_SHAPE;
     if (a->ydt != AMX_DT_F32 && a->ydt != AMX_DT_BF16) return AMX_ERR_SHAPE;
     if (a->ldy < (silu ? N / 2 : N)) return AMX_ERR_SHAPE;
+    if (epi == EPI_ROPE_KV && !rope_kv_ok(a)) return AMX_ERR_SHAPE;
     store_plan p = {epi, a->ydt, a->ldy, a->y, a->bias};
-    const int64_t units = silu ? N / 32 : N / 16, MT = (M + 15) / 16;
+    if (epi == EPI_ROPE_KV) {
+        p.D = a->D, p.rope_heads = a->rope_heads, p.kv_heads = a->kv_heads, p.n_slots = a->n_slots;
+        p.num_slots = a->num_slots, p.cos = a->cos, p.ssin = a->ssin, p.slots = a->slots, p.kv_cache = a->kv_cache;
+    }
+    const int64_t units = paired ? N / 32 : N / 16, MT = (M + 15) / 16;
     const int rows = M < 16 ? (int)M : 16;
     /* Cache blocking: an item's chunk of the weight's column units (<= ~L2_W_BYTES) is reused from L2
      * across its chunk of rows (~L2_X_BYTES of x), and that chunk of x across the item's panels. */
-    const int64_t unit_bytes = K * 32 * (silu ? 2 : 1);
+    const int64_t unit_bytes = K * 32 * (paired ? 2 : 1);
     int64_t nc = L2_W_BYTES / unit_bytes / 4 * 4, mc = L2_X_BYTES / (K * 32) / 2 * 2;
     if (nc < 4) nc = 4;
     if (mc < 2) mc = 2;

@@ -56,7 +56,7 @@ enum { MR = 6, NV = 4 };
 #endif
 
 typedef struct {
-    int64_t size;           /* sizeof(sg_bf16gemm_args); the fields of sg_amx_linear_args, in order (one ctypes mirror) */
+    int64_t size;           /* sizeof(sg_bf16gemm_args); the GEMM fields of sg_amx_linear_args, in order (amx.GEMM_FIELDS) */
     int64_t M;              /* rows of x and y, >= 1 */
     int64_t N;              /* outputs of the packed weight, a multiple of 16 (of 32 for EPI_SILU_MUL) */
     int64_t K;              /* inputs, a multiple of 32 */

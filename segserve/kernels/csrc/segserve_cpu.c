@@ -436,19 +436,7 @@ typedef struct {
     const float *ssin;  /* (T, D) float32 contiguous, sin with its first half negated */
 } sg_rope_args;
 
-/* Sixteen float32 lanes rounded to bfloat16 exactly as f32_to_bf16 rounds (nearest even, NaN kept
- * quiet, subnormals kept), and widened back. Not vcvtneps2bf16: that flushes subnormals, and RoPE must
- * equal the eager rotation bit for bit. */
-static inline __m512 round16_exact(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-static inline __m512 round16x(__m512 v, int dt) { return dt == DT_F32 ? v : round16_exact(v); }
+static inline __m512 round16x(__m512 v, int dt) { return dt == DT_F32 ? v : sg_bf16_round16_exact(v); }
 
 /* One row's heads [0, H) rotated with AVX-512, for D a multiple of 32 (each half a whole number of
  * 16-lane vectors): the scalar loop's operations in the same order, so the same bits. c and s hold the

@@ -53,6 +53,18 @@ static inline __m512 sg_bf16_round16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
+/* Sixteen float32 lanes rounded to bfloat16 exactly as f32_to_bf16 rounds (nearest even, NaN kept
+ * quiet, subnormals kept), and widened back. Not vcvtneps2bf16: that flushes subnormals, and RoPE must
+ * equal the eager rotation bit for bit (segserve_cpu.c's sg_rope, segserve_amx.c's RoPE epilogue). */
+static inline __m512 sg_bf16_round16_exact(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 /* 16 float32 lanes that hold bfloat16 values stored as bfloat16 (truncation is exact for them). */
 static inline void sg_bf16_store16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
