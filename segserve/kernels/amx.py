@@ -198,7 +198,8 @@ class RopeKV:
             raise ValueError(f"rope_kv needs n = (num_heads + 2 num_kv_heads) head_dim with head_dim a "
                              f"multiple of 32, got n={n}, heads {hq} / {hkv}, head_dim {d}")
         for name, t in (("cos", self.cos), ("sin", self.sin)):
-            if t.dtype != torch.bfloat16 or t.shape != (m, d) or not t.is_contiguous() or t.device.type != "cpu":
+            if t.dtype != torch.bfloat16 or t.shape != (m, d) or not t.is_contiguous() \
+                    or t.device.type != "cpu":
                 raise ValueError(f"rope_kv.{name} must be contiguous bfloat16 ({m}, {d}) on the CPU, got "
                                  f"{tuple(t.shape)} {t.dtype}")
         c = self.kv_cache

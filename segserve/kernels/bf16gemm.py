@@ -39,8 +39,8 @@ supports = amx.supports
 
 @cpu_kernels._sized
 class _GemmArgs(ctypes.Structure):
-    """``sg_bf16gemm_args``: the GEMM fields of ``sg_amx_linear_args``, in the same order (``amx.GEMM_FIELDS``;
-    the AMX one adds its RoPE epilogue's)."""
+    """``sg_bf16gemm_args``: the GEMM fields of ``sg_amx_linear_args``, in the same order
+    (``amx.GEMM_FIELDS``; the AMX one adds its RoPE epilogue's)."""
 
     _fields_ = amx.GEMM_FIELDS
 

@@ -456,8 +456,10 @@ def forward_chunk(
     return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=branch)
 
 
-def rope_kv_tables(model: LlamaForCausalLM, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-                   tile_weights: list[tuple[torch.Tensor, ...]] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def rope_kv_tables(
+    model: LlamaForCausalLM, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+    tile_weights: list[tuple[torch.Tensor, ...]] | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(cos, sin)`` rounded to bfloat16 (``(T, D)`` each, ``amx.RopeKV``'s tables, made once a step)
     when this step's QKV projections can rotate Q and K and write K and V in their stores: AMX GEMMs
     over tile weights, the compiled kernels on, bfloat16 caches, a head dim that is a multiple of 32.

@@ -235,7 +235,8 @@ def test_large_bf16_steps_rotate_and_write_kv_in_the_qkv_gemm_with_the_same_bits
     base = new_caches(model, 4 * n + 1, BLOCK)
     with cpu_kernels.disabled():
         for row in rows:
-            model(torch.arange(6), torch.arange(6), base, build_attention_metadata([6], [0], [row], BLOCK, 4, 8))
+            prefill = build_attention_metadata([6], [0], [row], BLOCK, 4, 8)
+            model(torch.arange(6), torch.arange(6), base, prefill)
     step = CpuStep(model)
     step.prepack()
     results = {}
