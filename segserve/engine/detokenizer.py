@@ -157,7 +157,7 @@ class IncrementalDetokenizer:
         else:
             keep = 0 if final or self._include_stop else self._stop_prefix_len(pending)
             released, self._held = pending[: len(pending) - keep], pending[len(pending) - keep:]
-            self._tail = window[len(window) - self._tail_len:] if self._tail_len else ""
+            self._tail = window[-self._tail_len:] if self._tail_len else ""  # all of a shorter window
         self._released.append(released)
         return released
 

@@ -103,6 +103,17 @@ def test_stop_string_across_tokens_is_cut(tokenizer: PreTrainedTokenizerFast) ->
     assert det.update(_ids(tokenizer, " more")) == "" and det.flush() == ""
 
 
+def test_stop_string_over_many_short_tokens_is_found(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Regression (a new user's trial, 2026-12-05): a stop string longer than the text each step adds
+    ("4, 5, 6" over one-character tokens) was missed, because the text kept from earlier steps was cut
+    to a few characters whenever it was shorter than the longest stop string."""
+    ids = _ids(tokenizer, "1, 2, 3, 4, 5, 6, 7, 8")
+    assert max(len(tokenizer.decode([i])) for i in ids) <= 2  # short tokens: the case that failed
+    det = IncrementalDetokenizer(tokenizer, [], stop=("4, 5, 6",))
+    assert "".join(_stream(det, ids)) == "1, 2, 3, "
+    assert det.stop_string_hit == "4, 5, 6"
+
+
 def test_stop_string_included_when_asked(tokenizer: PreTrainedTokenizerFast) -> None:
     ids = _split_stop(tokenizer, "alpha beta gamma delta", "ta ga")
     det = IncrementalDetokenizer(tokenizer, [], stop=("ta ga",), include_stop_str_in_output=True)
