@@ -125,6 +125,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
     from segserve.bench import serve_client as sc
 
     goodput = sc.parse_goodput(args.goodput)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1 (omit it for no limit), got {args.max_concurrency}")
     tokenizer = _serve_tokenizer() if args.dataset == "text" else None
     workload = _workload(args, args.vocab_size, args.max_model_len, tokenizer)
     reqs = list(workload.requests)

@@ -199,6 +199,9 @@ async def run_serve(
 
     ``model`` None asks ``GET /v1/models`` for the first served model. ``transport`` is an httpx
     transport (tests pass a mock one).
+
+    Raises:
+        ValueError: ``base_url`` is not a URL or does not answer (before any request is sent).
     """
     import httpx
     from tqdm import tqdm
@@ -206,8 +209,15 @@ async def run_serve(
     base = base_url.rstrip("/")
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with httpx.AsyncClient(transport=transport, timeout=timeout_s) as client:
-        if model is None:
-            model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        try:  # the server's models: the name to send, and whether it answers at all
+            models = await client.get(f"{base}/v1/models")
+            models.raise_for_status()
+            served = [m["id"] for m in models.json()["data"]]
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, IndexError) as exc:
+            raise ValueError(f"--base-url {base_url}: GET /v1/models failed: {exc}") from None
+        if model is None and not served:
+            raise ValueError(f"--base-url {base_url}: the server lists no model")
+        model = served[0] if model is None else model
         bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress)
         t0 = time.perf_counter()
         timings = [RequestTiming(s, len(r.prompt_token_ids)) for r, s in zip(requests, sends, strict=True)]
@@ -271,4 +281,6 @@ def summary_line(result: dict) -> str:
     )
     if "request_goodput" in result:
         line += f"; goodput {result['request_goodput']:.2f} req/s"
+    if result["failed"] and result.get("errors"):
+        line += f"; first error: {result['errors'][0]}"
     return line

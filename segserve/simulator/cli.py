@@ -279,13 +279,15 @@ def _downsample(points: list, n: int) -> list:
 
 
 def _line(summary: dict, res) -> str:
-    return (
+    line = (
         f"[simulate] completed={summary['completed']} failed={summary['failed']} "
         f"duration={summary['duration']:.1f}s req/s={summary['request_throughput']:.3f} "
         f"out tok/s={summary['output_throughput']:.1f} ttft median/p99={summary['median_ttft_ms']:.0f}/"
         f"{summary['p99_ttft_ms']:.0f}ms itl median/p99={summary['median_itl_ms']:.1f}/"
         f"{summary['p99_itl_ms']:.1f}ms preemptions={summary['num_preemptions']} steps={len(res.steps)}"
     )
+    errors = [r.error for r in res.requests if r.error]
+    return line + (f"; first rejection: {errors[0]}" if errors else "")
 
 
 def _write_outputs(args, result: dict, steps) -> None:

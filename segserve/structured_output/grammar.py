@@ -43,6 +43,9 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_lark(text)
     except ValueError:
         raise
+    except RecursionError:  # the meta-schema check (or xgrammar's converter) walks nested schemas
+        raise ValueError(f"structured_outputs.{kind} nests too deeply to check (schemas inside schemas "
+                         f"beyond Python's recursion limit); flatten it, e.g. with $defs") from None
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types
         raise ValueError(f"structured_outputs.{kind} is invalid or unsupported: {_first_line(exc)}") from None
 

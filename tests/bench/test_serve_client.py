@@ -165,3 +165,28 @@ def test_blocking_client_times_chunked_sse_and_records_errors():
         server.server_close()
     gone = sc.stream_one_blocking(url, {"prompt": [1], "max_tokens": 2}, time.perf_counter(), timeout_s=5)
     assert not gone.ok and gone.error.startswith("ConnectionRefusedError")
+
+
+def test_an_unreachable_or_malformed_base_url_is_one_line_naming_it():
+    """A new user's trial (2026-12-05): `--base-url notaurl` and a closed port printed httpx tracebacks."""
+    reqs, sends = [BenchRequest(tuple(range(20, 30)), 2)], [0.0]
+    for url in ("notaurl", "http://127.0.0.1:1"):
+        with pytest.raises(ValueError, match=rf"--base-url {url}: GET /v1/models failed"):
+            asyncio.run(sc.run_serve(url, reqs, sends, progress=False, timeout_s=5))
+
+
+def test_the_summary_line_gives_the_first_failure():
+    """A new user's trial: `--model nope` printed "0 ok, 1 failed" and nan metrics with no reason."""
+    reqs, sends = [BenchRequest(tuple(range(20, 30)), 2)], [0.0]
+    timings, duration = asyncio.run(
+        sc.run_serve("http://stub", reqs, sends, model="nope", transport=_stub_transport(), progress=False)
+    )
+    line = sc.summary_line(sc.summarize(timings, duration))
+    assert "0 ok, 1 failed" in line and "; first error: HTTP 400: " in line and "prompt too long" in line
+
+
+def test_max_concurrency_below_one_is_refused(capsys):
+    from segserve.entrypoints.cli import main
+
+    assert main(["bench", "serve", "--max-concurrency", "0", "--num-prompts", "1"]) == 2
+    assert "--max-concurrency must be >= 1 (omit it for no limit), got 0" in capsys.readouterr().err

@@ -32,6 +32,36 @@ def test_tokenize_detokenize_prompt_and_messages(tiny_server, tiny_offline):
     assert both.status_code == 400
 
 
+def test_tokenize_takes_vllms_chat_fields_tools_and_continue_final_message(tiny_server, tiny_offline):
+    """A new user's trial (2026-12-05): ``tools`` and ``continue_final_message`` were refused as unknown
+    fields (vLLM 0.32's TokenizeChatRequest has them)."""
+    handle, _ = tiny_server
+    tok = tiny_offline.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the"}]
+    tools = [{"type": "function", "function": {"name": "now", "description": "the time"}}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "tools": tools}
+    r = httpx.post(f"{handle.base_url}/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    want = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False,
+                                   continue_final_message=True, tokenize=False)
+    assert want.endswith("Sure, the")  # the last message left open
+    assert r.json()["tokens"] == tok.encode(want, add_special_tokens=False)
+    both = httpx.post(f"{handle.base_url}/tokenize",
+                      json={"messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    chat = httpx.post(f"{handle.base_url}/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": messages, "max_tokens": 2, "continue_final_message": True})
+    assert chat.status_code == 400 and "Cannot set both" in chat.json()["error"]["message"]
+    ok = httpx.post(f"{handle.base_url}/v1/chat/completions", json={
+        "model": SERVED_NAME, "messages": messages, "max_tokens": 2, "continue_final_message": True,
+        "add_generation_prompt": False})
+    plain = httpx.post(f"{handle.base_url}/tokenize", json={
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == plain["count"]
+    handle.assert_idle_and_clean()
+
+
 def test_version_and_model_card_fields(tiny_server):
     handle, _ = tiny_server
     from segserve import __version__

@@ -112,6 +112,25 @@ def test_named_tool_choice_whole_and_streamed(server):
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
 
 
+def test_streamed_tool_calls_carry_the_logprobs_of_every_token(server):
+    """A new user's trial (2026-12-05): streamed chunks of a named (or required) tool choice had
+    ``logprobs: null`` while the same request unstreamed had them all."""
+    kw = dict(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              max_tokens=30, temperature=0, extra_body=NO_WS, logprobs=True, top_logprobs=2)
+    whole = chat(server, **kw)
+    want = [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
+    assert len(want) == whole.usage.completion_tokens
+    got = []
+    client = openai_client(server)
+    stream = client.chat.completions.create(model=SERVED_NAME, messages=MSGS, stream=True, **kw)
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                got += [(t.token, t.logprob) for t in choice.logprobs.content]
+                assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert got == want
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice_calls_listed_tools(server, parallel):
     # Sampled: greedy on the random model keeps adding calls until max_tokens; some seed ends the list.
@@ -183,6 +202,8 @@ CASES = [
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format",
      "set response_format or structured_outputs.regex, not both"),
     ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "got none"),
+    ({"structured_outputs": {}}, "structured_outputs", "got none"),  # was no constraint (a trial's finding)
+    ({"tools": []}, "tools", "`tools` must not be an empty array"),  # was no tools (a trial's finding)
     ({"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "tool_choice",
      "combined with structured_outputs.regex"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",

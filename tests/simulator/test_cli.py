@@ -205,3 +205,15 @@ def test_tune_says_why_nothing_can_be_feasible(flags, hint, profile, capsys):
             "--slo", "itl_p99=1s", "--budgets", "64", "--caps", "0", *flags]
     assert main(argv) == 1
     assert hint in capsys.readouterr().out
+
+
+def test_simulate_says_why_requests_were_rejected(profile, capsys):
+    """A new user's trial (2026-12-05): prompts longer than max_model_len gave `completed=0 failed=3` and
+    nan metrics with no reason."""
+    argv = ["simulate", "--synthetic", "3", "--rate", "4", "--input-len", "400", "--output-len", "12",
+            "--prefix-len", "0", "--max-model-len", "256", "--max-num-batched-tokens", "256",
+            "--profile", profile]
+    assert main(argv) == 0
+    line = capsys.readouterr().out
+    assert "completed=0 failed=3" in line and "; first rejection: " in line
+    assert "256" in line.split("rejection")[1]

@@ -225,6 +225,13 @@ def test_abort_while_compiling_leaves_nothing(loaded, monkeypatch):
     engine.check_integrity()
 
 
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(json={"type": "bogus"}), "structured_outputs.json is not a valid JSON schema at type"),
     (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
@@ -233,6 +240,8 @@ def test_abort_while_compiling_leaves_nothing(loaded, monkeypatch):
     (dict(regex="[a-"), "structured_outputs.regex is invalid or unsupported"),
     (dict(grammar="root ::= undefined_rule"), "structured_outputs.grammar is invalid or unsupported"),
     (dict(grammar="start: ("), "structured_outputs.grammar is invalid or unsupported"),
+    # Regression (a new user's trial): Python's "maximum recursion depth exceeded" was the message.
+    (dict(json=_nested_arrays(300)), "structured_outputs.json nests too deeply to check"),
 ])
 def test_bad_constraint_is_refused_and_the_engine_keeps_serving(llm, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -37,6 +37,15 @@ def test_plans_follow_tool_choice():
         plan_tools([ADD], "auto", None, None)
 
 
+def test_an_empty_tools_array_is_refused_as_vllm_refuses_it():
+    """Regression (a new user's trial, 2026-12-05): ``tools: []`` was taken as no tools (vLLM 0.32 and
+    OpenAI answer 400)."""
+    for choice in (None, "none", "auto"):
+        with pytest.raises(FieldError, match=r"`tools` must not be an empty array") as info:
+            plan_tools([], choice, None, "hermes")
+        assert info.value.param == "tools"
+
+
 def test_hermes_parse():
     text = 'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><tool_call>{"name": "now"}'
     assert hermes_parse(text) == ("Sure.", [("add", '{"a": 1}'), ("now", "{}")])

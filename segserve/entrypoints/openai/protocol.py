@@ -135,6 +135,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
     # vLLM extensions
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last message open (it must then be the model's)
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -233,9 +233,12 @@ class OpenAIServing:
                         tools: list[dict] | None = None) -> list[int]:
         from segserve.engine.llm import chat_prompt_ids
 
+        if req.continue_final_message and req.add_generation_prompt:  # vLLM's words
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
         try:
-            return chat_prompt_ids(self.llm, messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs, tools=tools)
+            return chat_prompt_ids(self.llm, messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                   tools=tools, continue_final_message=req.continue_final_message)
         except Exception as exc:  # noqa: BLE001 - template errors come in many types; all are the client's
             message = f"messages could not be rendered with the chat template: {printable(str(exc), 200)}"
             raise bad_request(message, "messages") from None

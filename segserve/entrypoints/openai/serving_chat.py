@@ -87,6 +87,7 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
         p.ChatCompletionChunk(id=rid, model=model, choices=choices, usage=usage))
     sent: dict[int, SentSoFar] = {}
     tools: dict[int, ToolStream] = {}
+    logprobs_sent: dict[int, int] = {}  # tool streams: tokens whose logprobs went out, per choice
     last = None
     async for _, out in outputs:
         last = out
@@ -95,6 +96,11 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
             if plan.mode != "none":  # content and tool calls come from the tool stream
                 choice = _tool_delta(tools.setdefault(c.index, ToolStream(plan)), sent, c)
                 if choice is not None:
+                    if top_n is not None:  # the tokens since the last chunk, held-back text's included
+                        n0 = logprobs_sent.get(c.index, 0)
+                        ids, pos = list(c.token_ids[n0:]), list(c.logprobs or [])[n0:]
+                        logprobs_sent[c.index] = len(c.token_ids)
+                        choice.logprobs = _chat_logprobs(serving, ids, pos, top_n) if ids else None
                     choices.append(choice)
                 continue
             state = sent.setdefault(c.index, SentSoFar(None))

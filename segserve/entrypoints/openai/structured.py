@@ -88,7 +88,7 @@ def structured_outputs_of(
             raise FieldError(f"set response_format or structured_outputs.{own_kind[0]}, not both",
                              "response_format")
         fields.update(_format_kind(fmt))
-    if not fields:
+    if not fields and structured is None:  # given but empty ({}): refused below, as vLLM refuses it
         return None
     try:
         return StructuredOutputsParams(**fields)

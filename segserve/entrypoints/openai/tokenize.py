@@ -1,7 +1,8 @@
 """``/tokenize`` and ``/detokenize`` with vLLM 0.32's request and response shapes.
 
 ``POST /tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` or a chat
-``{"messages": [...], "add_generation_prompt": true, "chat_template_kwargs": {...}}`` and answers
+``{"messages": [...], "add_generation_prompt": true, "continue_final_message": false, "tools": [...],
+"chat_template_kwargs": {...}}`` (tools rendered as the chat endpoint renders them) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` only with
 ``return_token_strs``). ``POST /detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt"}``.
 """
@@ -24,6 +25,8 @@ class TokenizeRequest(BaseModel):
     messages: list[p.ChatMessage] | None = None
     add_special_tokens: bool | None = None  # vLLM: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[p.ChatTool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -60,8 +63,10 @@ async def tokenize(serving, req: TokenizeRequest) -> TokenizeResponse:
         ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=special)
     else:
         chat = p.ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message, tools=req.tools,
                                        chat_template_kwargs=req.chat_template_kwargs)
-        ids = await asyncio.to_thread(serving.chat_prompt_ids, chat, serving.chat_messages(chat))
+        tools = None if not req.tools else [t.model_dump(exclude_none=True) for t in req.tools]
+        ids = await asyncio.to_thread(serving.chat_prompt_ids, chat, serving.chat_messages(chat), tools)
         if req.add_special_tokens and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id, *ids]
     strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -128,10 +128,13 @@ def plan_tools(
         parser: the server's ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on, else None.
 
     Raises:
-        FieldError: ``tool_choice`` without tools, naming an unknown function, ``auto`` without a
-            parser; a tool whose ``parameters`` is not a valid JSON schema; duplicate names.
+        FieldError: ``tools`` empty; ``tool_choice`` without tools, naming an unknown function, ``auto``
+            without a parser; a tool whose ``parameters`` is not a valid JSON schema; duplicate names.
     """
     parallel = parallel_tool_calls is not False
+    if tools is not None and not tools:  # as vLLM 0.32 and OpenAI
+        raise FieldError("`tools` must not be an empty array: give at least one tool or omit the field",
+                         "tools")
     if not tools:
         if tool_choice not in (None, "none"):
             raise FieldError("tool_choice needs tools: set `tools` when using `tool_choice`", "tool_choice")
