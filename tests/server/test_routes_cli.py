@@ -30,6 +30,11 @@ def test_tokenize_detokenize_prompt_and_messages(tiny_server, tiny_offline):
     assert "[0, 300)" in bad.json()["error"]["message"]
     both = httpx.post(f"{handle.base_url}/tokenize", json={"prompt": "a", "messages": messages})
     assert both.status_code == 400
+    for tokens in ([True], [1.0]):  # strict types, as every request body (a new user's trial)
+        r = httpx.post(f"{handle.base_url}/detokenize", json={"tokens": tokens})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+    r = httpx.post(f"{handle.base_url}/tokenize", json={"prompt": "a", "add_special_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text
 
 
 def test_tokenize_takes_vllms_chat_fields_tools_and_continue_final_message(tiny_server, tiny_offline):

@@ -190,6 +190,7 @@ def test_tool_choice_none_and_tool_messages_are_accepted(server):
     assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls == []
 
 
+STRICT_YES = {"name": "x", "schema": {}, "strict": "yes"}
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
 CASES = [
     ({"response_format": BAD_SCHEMA}, "response_format", "response_format.json_schema.schema is not a valid"),
@@ -203,6 +204,9 @@ CASES = [
      "set response_format or structured_outputs.regex, not both"),
     ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "got none"),
     ({"structured_outputs": {}}, "structured_outputs", "got none"),  # was no constraint (a trial's finding)
+    # strict types in the nested fields too (a trial's finding: "yes" was taken for true)
+    ({"response_format": {"type": "json_schema", "json_schema": STRICT_YES}}, "response_format", "strict"),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs", "json_object"),
     ({"tools": []}, "tools", "`tools` must not be an empty array"),  # was no tools (a trial's finding)
     ({"tools": [WEATHER], "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "tool_choice",
      "combined with structured_outputs.regex"),

@@ -26,7 +26,7 @@ class FieldError(ValueError):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
     name: str = "response"
     description: str | None = None
@@ -38,7 +38,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -47,7 +47,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsField(BaseModel):
     """vLLM's ``structured_outputs`` request field (unknown keys are refused: none is silently dropped)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None

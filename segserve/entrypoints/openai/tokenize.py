@@ -18,7 +18,7 @@ from segserve.entrypoints.openai import protocol as p
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict.py's typing rules
 
     model: str | None = None
     prompt: str | None = None
@@ -39,7 +39,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict.py's typing rules
 
     model: str | None = None
     tokens: list[int]
