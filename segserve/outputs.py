@@ -45,7 +45,8 @@ class CompletionOutput:
         token_ids: generated token ids so far.
         cumulative_logprob: sum of the sampled tokens' logprobs when ``logprobs`` was requested.
         logprobs: per generated token, {token_id: Logprob} for the sampled token and the top-k.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` (its output constraint admitted
+            no next token: no output satisfies it) or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
     """
 

@@ -35,6 +35,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH_CAPPED = "length"
     FINISHED_ABORTED = "abort"
+    # vLLM's FINISHED_ERROR: the request cannot go on (its output constraint admits no next token).
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
@@ -42,7 +44,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's ``finish_reason`` string (``"stop"``, ``"length"``, ``"abort"``) or ``None``."""
+        """vLLM's ``finish_reason`` (``"stop"``, ``"length"``, ``"abort"``, ``"error"``) or ``None``."""
         return self.value if self.is_finished else None
 
 

@@ -41,7 +41,7 @@ class EngineCoreOutput:
     Attributes:
         req_id: request id.
         new_token_ids: tokens sampled this step (empty for a partial prefill chunk).
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None while running.
         stop_reason: the stop token id that ended the request, if any.
         num_cached_tokens: prompt tokens served from the prefix cache.
         logprobs, prompt_logprobs: as in ``ModelRunnerOutput``, for this request.

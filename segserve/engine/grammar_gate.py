@@ -90,7 +90,8 @@ class GrammarGate:
     ) -> list[EngineCoreOutput]:
         """Advance the matchers by the sampled tokens; returns ``outputs`` with a finish reason on each
         request whose token the grammar rejected (ended now: ``stop`` if its grammar was complete,
-        else ``abort``) or whose grammar ended on a stop token that ``min_tokens`` kept from ending
+        else ``error``, vLLM's reason for a grammar that rejects: it admitted no token, so no output
+        satisfies it) or whose grammar ended on a stop token that ``min_tokens`` kept from ending
         the request (``stop``: the output is complete; only ``ignore_eos`` goes on past a grammar);
         forgets the matchers of requests no longer in the scheduler."""
         rejected, terminated = self.manager.accept(runner_output.sampled_token_ids)
@@ -100,11 +101,11 @@ class GrammarGate:
             if rid in unfinished and not scheduler.requests[rid].sampling_params.ignore_eos:
                 ended[rid] = True
         for rid, complete in ended.items():
-            status = RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ABORTED
+            status = RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_ERROR
             scheduler.finish_requests([rid], status)
         if ended:
             outputs = [
-                dataclasses.replace(o, finish_reason="stop" if ended[o.req_id] else "abort")
+                dataclasses.replace(o, finish_reason="stop" if ended[o.req_id] else "error")
                 if o.req_id in ended and o.finish_reason is None
                 else o
                 for o in outputs

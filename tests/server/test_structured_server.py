@@ -221,6 +221,30 @@ CASES = [
 ]
 
 
+# A schema xgrammar compiles but no output satisfies: a $ref cycle with no base case.
+UNSATISFIABLE = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_no_output_can_satisfy_is_an_error_naming_the_field(server, stream):
+    """A new user's trial (2026-12-05): HTTP 200 with empty content and finish_reason "abort" (not an
+    OpenAI reason). vLLM ends such a request with its "error" reason and answers 500; here the field is
+    named, 400, or an error event in a stream."""
+    body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 8, "response_format": UNSATISFIABLE,
+            "stream": stream}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        error = events[-1]["error"]
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["param"] == "response_format" and "admits no token" in error["message"], error
+    server.assert_idle_and_clean()
+
+
 @pytest.mark.parametrize("extra, param, words", CASES)
 def test_bad_input_is_400_naming_the_field(server, extra, param, words):
     body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 4, **extra}

@@ -302,3 +302,14 @@ def test_failed_compilation_aborts_only_that_request(loaded, monkeypatch):
     assert finished["bad"].outputs[0].finish_reason == "abort" and finished["bad"].outputs[0].token_ids == []
     assert len(finished["free"].outputs[0].token_ids) == 3
     engine.check_integrity()
+
+
+def test_a_constraint_no_output_satisfies_ends_with_error_and_the_engine_goes_on(llm):
+    """A schema xgrammar compiles but no output satisfies ($ref cycle without a base case): the request
+    ends with vLLM's "error" finish reason (it was "abort"), the others are served, nothing leaks."""
+    bad = greedy(StructuredOutputsParams(json={"$ref": "#"}))
+    out = llm.generate("fox", bad, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and len(out.token_ids) <= 1  # at most the token it rejected
+    ok = llm.generate("fox", greedy(StructuredOutputsParams(choice=["ok"])), use_tqdm=False)[0]
+    assert ok.outputs[0].text == "ok"
+    llm.llm_engine.check_integrity()

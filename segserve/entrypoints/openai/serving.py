@@ -110,7 +110,7 @@ async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
     q.put_nowait(_DISCONNECTED)
 
 
-async def until_disconnected(streams: list[OutputStream], request: Request
+async def until_disconnected(streams: list[OutputStream], request: Request, constraint: str | None = None
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) of every stream as outputs arrive (one stream per prompt), while the
     client is connected; every unfinished request is aborted when the client leaves or the consumer
@@ -121,7 +121,10 @@ async def until_disconnected(streams: list[OutputStream], request: Request
     every stream, on the cores the model's threads need.
 
     Raises:
-        BaseException: the one that ended a stream (the others are aborted)."""
+        BaseException: the one that ended a stream (the others are aborted).
+        ApiError: 400 naming ``constraint`` (the request field of the output constraint) when a
+            completion ended with ``"error"``: the constraint admitted no next token (vLLM ends such a
+            request the same way and answers 500)."""
     q: asyncio.Queue = asyncio.Queue()
     for i, stream in enumerate(streams):
         stream.listen(functools.partial(q.put_nowait, i))
@@ -139,6 +142,11 @@ async def until_disconnected(streams: list[OutputStream], request: Request
                 continue
             if stream.finished:
                 left -= 1
+            dead = next((c for c in out.outputs if c.finish_reason == "error"), None)
+            if dead is not None:
+                raise bad_request(f"{constraint or 'structured output'}: the output constraint admits no "
+                                  f"token after the {len(dead.token_ids)} generated, so no output can "
+                                  f"satisfy it (e.g. a schema whose $ref cycle has no base case)", constraint)
             yield entry, out
     finally:
         for stream in streams:
@@ -354,12 +362,23 @@ async def guard_stream(events: AsyncIterator[str], streams: list[OutputStream]) 
             yield event
     except EngineDeadError as exc:
         yield sse_error(engine_error(exc))
+    except ApiError as exc:  # the request's own fault, found while it ran
+        yield sse_error(exc)
     except Exception as exc:  # noqa: BLE001 - the stream has started: the client gets an error event
         yield sse_error(internal_error(exc))
     finally:
         for stream in streams:
             stream.abort_if_unfinished()
     yield "data: [DONE]\n\n"
+
+
+def constraint_field(req: p.SamplingFields, tool_constraint: bool = False) -> str | None:
+    """The request field an output constraint came from (what an error about it names), or None."""
+    if tool_constraint:
+        return "tool_choice"
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    return "structured_outputs" if req.structured_outputs is not None else None
 
 
 def sse_error(error: ApiError) -> str:

@@ -20,6 +20,7 @@ from segserve.entrypoints.openai.serving import (
     OpenAIServing,
     SentSoFar,
     check_fields,
+    constraint_field,
     guard_stream,
     last_each,
     sampling_params,
@@ -62,7 +63,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     streams = await serving.start_all([prompt_ids], params, "chatcmpl", serving.salt_of(req, raw),
                                     req.response_format is not None)
     rid, model = streams[0].request_id, serving.names[0]
-    outputs = until_disconnected(streams, raw)
+    outputs = until_disconnected(streams, raw, constraint_field(req, plan.constraint is not None))
     top_n = top if req.logprobs else None
     if req.stream:
         events = _chat_events(serving, outputs, rid, model, top_n, req, plan)

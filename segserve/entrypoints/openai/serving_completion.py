@@ -21,6 +21,7 @@ from segserve.entrypoints.openai.serving import (
     OpenAIServing,
     SentSoFar,
     check_fields,
+    constraint_field,
     guard_stream,
     last_each,
     sampling_params,
@@ -118,7 +119,7 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
     streams = await serving.start_all([x.ids for x in prompts], params, "cmpl", serving.salt_of(req, raw),
                                     req.response_format is not None)
     rid, model = streams[0].request_id, serving.names[0]
-    outputs = until_disconnected(streams, raw)
+    outputs = until_disconnected(streams, raw, constraint_field(req))
     if req.stream:
         events = _completion_events(serving, outputs, rid, model, shape, prompts, req)
         return StreamingResponse(guard_stream(events, streams), media_type="text/event-stream")
