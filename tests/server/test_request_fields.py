@@ -47,7 +47,10 @@ PER_ENDPOINT = {("completions", "logprobs"): 2, ("chat", "logprobs"): True,
                 ("completions", "echo"): True, ("chat", "echo"): True,
                 ("chat", "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
                 ("completions", "top_logprobs"): 2,
-                ("completions", "tools"): [TOOL], ("completions", "tool_choice"): "auto"}
+                ("completions", "tools"): [TOOL], ("completions", "tool_choice"): "auto",
+                ("chat", "continue_final_message"): {  # vLLM refuses it with add_generation_prompt (default)
+                    "continue_final_message": True, "add_generation_prompt": False,
+                    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]}}
 
 
 def _rows() -> list[tuple[str, str, str]]:
