@@ -128,6 +128,8 @@ async def _stream_one(client: Any, url: str, body: dict, timing: RequestTiming, 
                     break
             timing.output_tokens = timing.output_tokens or len(timing.chunk_times)
             timing.done = time.perf_counter() - t0
+            if not timing.chunk_times:
+                timing.error = f"HTTP 200 without a streamed token ({resp.headers.get('content-type')})"
     except Exception as exc:  # a failed request is a result of the benchmark, not a crash
         timing.error = f"{type(exc).__name__}: {exc}"
 
@@ -213,7 +215,8 @@ async def run_serve(
             models = await client.get(f"{base}/v1/models")
             models.raise_for_status()
             served = [m["id"] for m in models.json()["data"]]
-        except (httpx.HTTPError, httpx.InvalidURL, ValueError, KeyError, IndexError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of this probe (a port past 65535 comes as an
+            # ExceptionGroup of an OverflowError, a JSON list as a TypeError) is the URL's, said in one line
             raise ValueError(f"--base-url {base_url}: GET /v1/models failed: {exc}") from None
         if model is None and not served:
             raise ValueError(f"--base-url {base_url}: the server lists no model")

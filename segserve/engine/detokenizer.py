@@ -165,12 +165,14 @@ class IncrementalDetokenizer:
         return bool(self._stop) and self._num_output_tokens > self._min_tokens
 
     def _find_stop(self, window: str, new_from: int) -> tuple[int, str] | None:
-        """Earliest stop string in ``window`` that ends inside its new part (from ``new_from``)."""
+        """The stop string in ``window`` that ends first inside its new part (from ``new_from``), ties in
+        stop-list order: what appending one character at a time would find (vLLM 0.32's rule)."""
         best: tuple[int, str] | None = None
+        best_end = len(window) + 1
         for stop in self._stop:
             index = window.find(stop, max(0, new_from - len(stop) + 1))
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
+            if index >= 0 and index + len(stop) < best_end:
+                best, best_end = (index, stop), index + len(stop)
         return best
 
     def _stop_prefix_len(self, text: str) -> int:

@@ -50,7 +50,8 @@ PER_ENDPOINT = {("completions", "logprobs"): 2, ("chat", "logprobs"): True,
                 ("completions", "tools"): [TOOL], ("completions", "tool_choice"): "auto",
                 ("chat", "continue_final_message"): {  # vLLM refuses it with add_generation_prompt (default)
                     "continue_final_message": True, "add_generation_prompt": False,
-                    "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]}}
+                    "messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "Sure"}]}}
 
 
 def _rows() -> list[tuple[str, str, str]]:

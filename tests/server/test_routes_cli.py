@@ -248,3 +248,6 @@ def test_streamed_text_equals_the_text_with_stop_strings(tiny_server):
                            else e["choices"][0]["delta"].get("content") or "" for e in events)
         assert text_of(once) == prefixes[-1][:prefixes[-1].find(stop)] and once["finish_reason"] == "stop"
         assert streamed == text_of(once), (path, stop)
+        # The stop string is in the last chunk too, as in the whole response (chat streams lacked it:
+        # a new user's trial, 2026-12-05).
+        assert once["stop_reason"] == stop and events[-1]["choices"][0]["stop_reason"] == stop, path

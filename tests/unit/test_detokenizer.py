@@ -114,6 +114,17 @@ def test_stop_string_over_many_short_tokens_is_found(tokenizer: PreTrainedTokeni
     assert det.stop_string_hit == "4, 5, 6"
 
 
+def test_the_stop_string_that_ends_first_wins(tokenizer: PreTrainedTokenizerFast) -> None:
+    """A new user's trial (2026-12-05): with stop ["7", "6, 7"] and text arriving several characters at
+    a time, "6, 7" won (it starts first) where vLLM 0.32 takes the one that completes first ("7", then
+    list order), the result of appending one character at a time."""
+    ids = _ids(tokenizer, " 4, 5, 6, 7, 8")
+    det = IncrementalDetokenizer(tokenizer, [], stop=("7", "6, 7"))
+    assert "".join(_stream(det, ids, step=len(ids))) == " 4, 5, 6, " and det.stop_string_hit == "7"
+    tie = IncrementalDetokenizer(tokenizer, [], stop=("6, 7", " 7"))  # both end at the same character
+    assert "".join(_stream(tie, ids, step=len(ids))) == " 4, 5, " and tie.stop_string_hit == "6, 7"
+
+
 def test_stop_string_included_when_asked(tokenizer: PreTrainedTokenizerFast) -> None:
     ids = _split_stop(tokenizer, "alpha beta gamma delta", "ta ga")
     det = IncrementalDetokenizer(tokenizer, [], stop=("ta ga",), include_stop_str_in_output=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from segserve.entrypoints.openai.structured import FieldError
@@ -44,6 +45,27 @@ def test_an_empty_tools_array_is_refused_as_vllm_refuses_it():
         with pytest.raises(FieldError, match=r"`tools` must not be an empty array") as info:
             plan_tools([], choice, None, "hermes")
         assert info.value.param == "tools"
+
+
+def test_required_lifts_each_tools_defs_to_the_top_as_vllm_does():
+    """A new user's trial (2026-12-05): parameters with `$defs` (pydantic's nested models) gave a 400
+    under tool_choice required: `#/$defs/Item` pointed into the wrapping array schema."""
+    item = {"type": "object", "properties": {"qty": {"type": "integer"}}, "required": ["qty"]}
+    nested = ChatTool.model_validate({"type": "function", "function": {"name": "add", "parameters": {
+        "$defs": {"Item": item}, "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}}}})
+    schema = plan_tools([nested, NOW], "required", True, None).constraint.json
+    assert schema["$defs"] == {"Item": item}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert nested.function.parameters["$defs"] == {"Item": item}  # the request's own tool is untouched
+    calls = [{"name": "add", "parameters": {"item": {"qty": 2}}}]
+    jsonschema.validate(calls, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "add", "parameters": {"item": {"qty": "two"}}}], schema)
+    other = ChatTool.model_validate({"type": "function", "function": {"name": "sub", "parameters": {
+        "$defs": {"Item": {"type": "string"}}, "type": "object"}}})
+    with pytest.raises(FieldError, match="tools define `\\$defs` 'Item' differently") as info:
+        plan_tools([nested, other], "required", True, None)
+    assert info.value.param == "tools"
 
 
 def test_hermes_parse():

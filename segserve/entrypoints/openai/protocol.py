@@ -243,6 +243,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended the choice
 
 
 class ChatCompletionChunk(BaseModel):

@@ -144,9 +144,10 @@ async def until_disconnected(streams: list[OutputStream], request: Request, cons
                 left -= 1
             dead = next((c for c in out.outputs if c.finish_reason == "error"), None)
             if dead is not None:
+                valid = max(0, len(dead.token_ids) - 1)  # the last is the token the constraint rejected
                 raise bad_request(f"{constraint or 'structured output'}: the output constraint admits no "
-                                  f"token after the {len(dead.token_ids)} generated, so no output can "
-                                  f"satisfy it (e.g. a schema whose $ref cycle has no base case)", constraint)
+                                  f"token after the {valid} generated, so no output can satisfy it (e.g. "
+                                  f"a schema whose $ref cycle has no base case)", constraint)
             yield entry, out
     finally:
         for stream in streams:
@@ -275,8 +276,9 @@ class OpenAIServing:
         return tenant_salt(raw.headers.get("authorization"), req.cache_salt)
 
     async def _start(self, prompt_ids: list[int], params: SamplingParams, prefix: str,
-                     cache_salt: str | None, by_format: bool = False) -> OutputStream:
-        """Add one request; ``by_format``: its constraint came from ``response_format`` (named in errors)."""
+                     cache_salt: str | None, constraint: str | None = None) -> OutputStream:
+        """Add one request; ``constraint``: the request field its output constraint came from
+        (:func:`constraint_field`), named in the errors about it."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
@@ -287,20 +289,24 @@ class OpenAIServing:
             raise engine_error(exc) from None
         except ValueError as exc:
             message = short_error(exc)
-            if message.startswith("structured_outputs") and by_format:
+            if message.startswith("structured_outputs") and constraint == "response_format":
                 # The client sent response_format: name its field, not the engine's.
                 message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
                 raise bad_request(message, "response_format") from None
+            if message.startswith("structured_outputs") and constraint == "tool_choice":
+                # The schema is the tools' parameters wrapped by tool_choice: name the tools.
+                message = message.replace("structured_outputs.json", "tools (their parameters)", 1)
+                raise bad_request(message, "tools") from None
             param = "structured_outputs" if message.startswith("structured_outputs") else _param_of(message)
             raise bad_request(message, param) from None
 
     async def start_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                         cache_salt: str | None, by_format: bool = False) -> list[OutputStream]:
+                         cache_salt: str | None, constraint: str | None = None) -> list[OutputStream]:
         """One engine request per prompt; if one is refused, the ones already added are aborted."""
         streams: list[OutputStream] = []
         try:
             for ids in prompts:
-                streams.append(await self._start(ids, params, prefix, cache_salt, by_format))
+                streams.append(await self._start(ids, params, prefix, cache_salt, constraint))
         except BaseException:
             for stream in streams:
                 stream.abort_if_unfinished()

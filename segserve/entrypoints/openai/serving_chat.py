@@ -60,10 +60,10 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     serving.check_servable(params)
     prompt_ids = await asyncio.to_thread(serving.chat_prompt_ids, req, serving.chat_messages(req), plan.tools)
     serving.check_length(len(prompt_ids), max_tokens, "messages")
-    streams = await serving.start_all([prompt_ids], params, "chatcmpl", serving.salt_of(req, raw),
-                                    req.response_format is not None)
+    field = constraint_field(req, plan.constraint is not None)
+    streams = await serving.start_all([prompt_ids], params, "chatcmpl", serving.salt_of(req, raw), field)
     rid, model = streams[0].request_id, serving.names[0]
-    outputs = until_disconnected(streams, raw, constraint_field(req, plan.constraint is not None))
+    outputs = until_disconnected(streams, raw, field)
     top_n = top if req.logprobs else None
     if req.stream:
         events = _chat_events(serving, outputs, rid, model, top_n, req, plan)
@@ -118,7 +118,7 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
                                    content=text if text or first else None)
             logprobs = _chat_logprobs(serving, ids, pos, top_n) if ids else None
             choices.append(p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
-                                              finish_reason=c.finish_reason))
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage = usage_of([out]) if req.continuous_usage and choices else None
         for choice in choices:  # one choice a chunk, as vLLM streams n > 1
             yield chunk([choice], usage)
@@ -153,4 +153,5 @@ def _tool_delta(stream: ToolStream, sent: dict, c) -> p.ChatStreamChoice | None:
                            content=content if content is not None or not first else "",
                            tool_calls=calls or None)
     reason = _tool_finish(c.finish_reason, bool(stream.calls)) if done else None
-    return p.ChatStreamChoice(index=c.index, delta=delta, finish_reason=reason)
+    return p.ChatStreamChoice(index=c.index, delta=delta, finish_reason=reason,
+                              stop_reason=c.stop_reason if done else None)

@@ -116,10 +116,11 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
     prompts = await asyncio.to_thread(completion_prompts, serving, req)
     for prompt in prompts:
         serving.check_length(len(prompt.ids), max_tokens, "prompt")
-    streams = await serving.start_all([x.ids for x in prompts], params, "cmpl", serving.salt_of(req, raw),
-                                    req.response_format is not None)
+    field = constraint_field(req)
+    salt = serving.salt_of(req, raw)
+    streams = await serving.start_all([x.ids for x in prompts], params, "cmpl", salt, field)
     rid, model = streams[0].request_id, serving.names[0]
-    outputs = until_disconnected(streams, raw, constraint_field(req))
+    outputs = until_disconnected(streams, raw, field)
     if req.stream:
         events = _completion_events(serving, outputs, rid, model, shape, prompts, req)
         return StreamingResponse(guard_stream(events, streams), media_type="text/event-stream")

@@ -38,7 +38,7 @@ _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # strict.py's typing rules
 
     name: str
     description: str | None = None
@@ -47,7 +47,7 @@ class FunctionDefinition(BaseModel):
 
 
 class ChatTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
@@ -183,19 +183,34 @@ def _check_tools(tools: list[ChatTool]) -> None:
 
 
 def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
-    """JSON schema of a ``required`` output: ``[{"name": <tool>, "parameters": {...}}, ...]``."""
-    items = [
-        {
+    """JSON schema of a ``required`` output: ``[{"name": <tool>, "parameters": {...}}, ...]``.
+
+    Each tool's ``$defs`` move to the top of this schema, where its ``#/$defs/...`` references now point
+    (pydantic's and LangChain's nested models give such parameters), as vLLM 0.32 does.
+
+    Raises:
+        FieldError: a tool's ``$defs`` is not an object, or two tools define one name differently.
+    """
+    defs: dict[str, Any] = {}
+    items = []
+    for t in tools:
+        params = dict(_parameters(t))
+        own = params.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise FieldError(f"`$defs` in the parameters of tool {t.function.name!r} must be an object, got "
+                             f"{type(own).__name__}", "tools")
+        for name, schema in own.items():
+            if defs.setdefault(name, schema) != schema:
+                raise FieldError(f"tools define `$defs` {name!r} differently; tool_choice required needs one "
+                                 f"schema per name", "tools")
+        items.append({
             "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": _parameters(t),
-            },
+            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
             "required": ["name", "parameters"],
-        }
-        for t in tools
-    ]
+        })
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if defs:
+        schema["$defs"] = defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
