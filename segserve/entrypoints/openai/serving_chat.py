@@ -131,13 +131,15 @@ def _chat_choice(c, plan: ToolPlan, logprobs: p.ChoiceLogprobs | None) -> p.Chat
     """One finished choice: content, or content and ``tool_calls`` parsed as the plan says."""
     content, calls = parse_tool_calls(plan, c.text)
     return p.ChatChoice(index=c.index, message=p.AssistantMessage(content=content, tool_calls=calls),
-                        logprobs=logprobs, finish_reason=_tool_finish(c.finish_reason, bool(calls)),
+                        logprobs=logprobs, finish_reason=_tool_finish(plan, c.finish_reason, bool(calls)),
                         stop_reason=c.stop_reason)
 
 
-def _tool_finish(finish_reason: str | None, called: bool) -> str | None:
-    """OpenAI's ``tool_calls`` finish reason for an output that ended normally in tool calls."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+def _tool_finish(plan: ToolPlan, finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` finish reason for an output that ended normally in tool calls the model
+    chose (``auto``, ``required``); a named function's call ends with ``stop``, as in OpenAI's API and
+    vLLM 0.32."""
+    return "tool_calls" if called and finish_reason == "stop" and plan.mode != "named" else finish_reason
 
 
 def _tool_delta(stream: ToolStream, sent: dict, c) -> p.ChatStreamChoice | None:
@@ -152,6 +154,6 @@ def _tool_delta(stream: ToolStream, sent: dict, c) -> p.ChatStreamChoice | None:
     delta = p.DeltaMessage(role="assistant" if first else None,
                            content=content if content is not None or not first else "",
                            tool_calls=calls or None)
-    reason = _tool_finish(c.finish_reason, bool(stream.calls)) if done else None
+    reason = _tool_finish(stream.plan, c.finish_reason, bool(stream.calls)) if done else None
     return p.ChatStreamChoice(index=c.index, delta=delta, finish_reason=reason,
                               stop_reason=c.stop_reason if done else None)
