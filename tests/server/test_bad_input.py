@@ -57,6 +57,9 @@ CASES = [
     (CMPL, b'{"model": "%s", "prompt": "\\ud800 Hi", "max_tokens": 2}' % SERVED_NAME.encode(), 400, "prompt",
      "lone UTF-16 surrogate U+D800 at character 0"),
     (CMPL, b'{"model": "x", "prompt": "\xff\xfe"}', 400, None, "malformed body: not valid UTF-8 JSON"),
+    # valid JSON nested past the parser's recursion limit (was "not valid UTF-8 JSON": a trial's finding)
+    (CMPL, b'{"model": "x", "prompt": "a", "metadata": ' + b"[" * 3000 + b"]" * 3000 + b"}", 400, None,
+     "malformed body: JSON nested too deeply to parse"),
 ]
 
 

@@ -85,7 +85,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            # FastAPI's words when the body is not UTF-8 (json.loads of bytes raises UnicodeDecodeError)
+            # FastAPI's words when json.loads of the body raised: not UTF-8 (UnicodeDecodeError), or nested
+            # past Python's recursion limit (RecursionError, ~500 levels: a trial's finding)
+            if isinstance(exc.__cause__, RecursionError):
+                return ApiError(400, "malformed body: JSON nested too deeply to parse").response()
             return ApiError(400, "malformed body: not valid UTF-8 JSON").response()
         # exc.headers carries Allow on a 405.
         return ApiError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
