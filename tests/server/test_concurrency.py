@@ -22,12 +22,13 @@ def test_16_concurrent_streams_with_shared_prefixes(tiny_server, tiny_offline):
     assert len(usages) == 16
 
 
-def _stream_then_leave(handle, body) -> float | None:
+def _stream_then_leave(handle, body, seen: list | None = None) -> float | None:
     """Read 3 SSE events, check the request holds blocks, leave; seconds until its blocks are back.
 
     None when the request already held no blocks while its client was still reading (seen about once in
     30 runs of the whole suite, never with one server per process: the server saw a disconnect that the
-    client did not send); the caller retries once, so a real leak still fails the test.
+    client did not send); the caller retries once, so a real leak still fails the test. ``seen`` gets
+    the events read then, for the failure message (twice in a row in one suite run on 2026-12-05).
     """
     with httpx.Client(base_url=handle.base_url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
@@ -38,6 +39,9 @@ def _stream_then_leave(handle, body) -> float | None:
                 if len(got) == 3:
                     break
             if handle.usable_blocks - handle.free_blocks() == 0:
+                if seen is not None:  # what the client read, and whether the engine still has the request
+                    running = handle.on_engine(lambda: handle.engine.engine.has_unfinished_requests())
+                    seen.append((r.status_code, got, handle.free_blocks(), handle.usable_blocks, running))
                 return None
     left = time.monotonic()
     while handle.free_blocks() != handle.usable_blocks and time.monotonic() - left < 1.0:
@@ -51,15 +55,16 @@ def test_disconnect_mid_stream_frees_blocks_within_1s(tiny_server):
     body = {"model": SERVED_NAME, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 90,
             "temperature": 0, "ignore_eos": True, "stream": True}
     throttle.delay_s = 0.1  # ~9 s for 90 tokens: the client leaves long before the end
+    seen: list = []
     try:
-        freed_after = _stream_then_leave(handle, body)
+        freed_after = _stream_then_leave(handle, body, seen)
         attempts = 1
         if freed_after is None:
             handle.assert_idle_and_clean()
-            freed_after, attempts = _stream_then_leave(handle, body), 2
+            freed_after, attempts = _stream_then_leave(handle, body, seen), 2
     finally:
         throttle.delay_s = 0.0
-    assert freed_after is not None, "the request held no blocks while its client was reading (twice)"
+    assert freed_after is not None, f"the request held no blocks while its client was reading (twice): {seen}"
     assert freed_after < 1.0, f"blocks still held {freed_after:.2f} s after the client left"
     handle.assert_idle_and_clean()
     after = scrape(handle.base_url)
