@@ -25,15 +25,20 @@ def test_16_concurrent_streams_with_shared_prefixes(tiny_server, tiny_offline):
 def _stream_then_leave(handle, body, seen: list | None = None) -> float | None:
     """Read 3 SSE events, check the request holds blocks, leave; seconds until its blocks are back.
 
-    None when the request already held no blocks while its client was still reading (seen about once in
-    30 runs of the whole suite, never with one server per process: the server saw a disconnect that the
-    client did not send); the caller retries once, so a real leak still fails the test. ``seen`` gets
-    the events read then, for the failure message (twice in a row in one suite run on 2026-12-05).
+    None when the request already held no blocks while its client was still reading; the caller retries
+    once, so a real leak still fails the test. ``seen`` gets what the client read then and whether the
+    engine still had a request, for the failure message.
+
+    The line iterator is held across the check: a ``for line in r.iter_lines(): ... break`` drops it at
+    the ``break``, and closing that generator closes httpcore's stream and with it the connection, so the
+    client did leave before the check and the server's abort raced it (the old flake, ~1 in 30 suite
+    runs, twice in a row in one run on 2026-12-05: "a disconnect the client did not send").
     """
     with httpx.Client(base_url=handle.base_url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
             got = []
-            for line in r.iter_lines():
+            lines = r.iter_lines()  # held until the check below (see the docstring)
+            for line in lines:
                 if line.startswith("data: "):
                     got.append(line)
                 if len(got) == 3:
@@ -43,6 +48,7 @@ def _stream_then_leave(handle, body, seen: list | None = None) -> float | None:
                     running = handle.on_engine(lambda: handle.engine.engine.has_unfinished_requests())
                     seen.append((r.status_code, got, handle.free_blocks(), handle.usable_blocks, running))
                 return None
+            lines.close()  # now leave: closes the stream, and the connection with it
     left = time.monotonic()
     while handle.free_blocks() != handle.usable_blocks and time.monotonic() - left < 1.0:
         time.sleep(0.01)
