@@ -240,12 +240,14 @@ static inline void store_bf16_rounded(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* Row r of accumulator buffer c (rows x 16 float32) to output row m0 + r, columns col .. col + 15 (bias
- * columns bcol ..); ``up`` the paired up-projection buffer for EPI_SILU_MUL, whose output column is
- * ``col`` of the (M, N/2) result and whose bias columns are ``bcol_up`` .. */
+/* EPI_ROPE_KV's store of a row pair (below store_row). */
 static inline void rope_kv_row(const store_plan *p, const float *c, const float *hi_acc, int r, int64_t m,
                                int64_t col, int64_t col_hi);
 
+/* Row r of accumulator buffer c (rows x 16 float32) to output row m0 + r, columns col .. col + 15 (bias
+ * columns bcol ..); ``up`` the paired up-projection buffer for EPI_SILU_MUL, whose output column is
+ * ``col`` of the (M, N/2) result and whose bias columns are ``bcol_up`` ..; for EPI_ROPE_KV ``up`` is the
+ * rotation partners' buffer and ``bcol_up`` their column (rope_kv_row). */
 static inline void store_row(const store_plan *p, const float *c, const float *up, int r, int64_t m0, int64_t col,
                              int64_t bcol, int64_t bcol_up) {
     if (p->epilogue == EPI_ROPE_KV) {
