@@ -316,21 +316,21 @@ class LlamaAttention(nn.Module):
         # Q and K heads are adjacent in the fused output, so one rotation covers both.
         if rope_inplace is not None:
             rope_inplace(qkv, hq + hkv, self.head_dim, cos, sin)
-            q, k, v = qkv.view(t, hq + 2 * hkv, self.head_dim).split((hq, hkv, hkv), dim=1)
-        else:
-            qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)  # (T, Hq + 2 Hkv, D)
-            q, k = apply_rope(qkv[:, : hq + hkv], cos, sin).split((hq, hkv), dim=1)  # (T, Hq|Hkv, D)
-            v = qkv[:, hq + hkv :]  # (T, Hkv, D)
+            return self.attend_rotated(qkv, kv_cache, metadata, kv_written=False)
+        qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)  # (T, Hq + 2 Hkv, D)
+        q, k = apply_rope(qkv[:, : hq + hkv], cos, sin).split((hq, hkv), dim=1)  # (T, Hq|Hkv, D)
+        v = qkv[:, hq + hkv :]  # (T, Hkv, D)
         out = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale)  # (T, Hq, D)
         return out.reshape(t, hq * self.head_dim)
 
-    def attend_rotated(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
-                       ) -> torch.Tensor:
-        """:meth:`attend` for ``qkv`` ``(T, (Hq + 2 Hkv) D)`` already rotated, with its K/V rows already
-        in ``kv_cache`` at ``metadata.slot_mapping`` (the fused projection of ``amx.RopeKV``)."""
+    def attend_rotated(self, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                       kv_written: bool = True) -> torch.Tensor:
+        """:meth:`attend` for ``qkv`` ``(T, (Hq + 2 Hkv) D)`` already rotated; ``kv_written``: its K/V rows
+        are already in ``kv_cache`` at ``metadata.slot_mapping`` (the fused projection of ``amx.RopeKV``),
+        else the backend writes them."""
         t, hq, hkv = qkv.shape[0], self.num_heads, self.num_kv_heads
         q, k, v = qkv.view(t, hq + 2 * hkv, self.head_dim).split((hq, hkv, hkv), dim=1)
-        out = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale, kv_written=True)
+        out = self.attn_backend.forward(q, k, v, kv_cache, metadata, self.scale, kv_written=kv_written)
         return out.reshape(t, hq * self.head_dim)  # (T, Hq D)
 
 

@@ -286,8 +286,8 @@ def _line(summary: dict, res) -> str:
         f"{summary['p99_ttft_ms']:.0f}ms itl median/p99={summary['median_itl_ms']:.1f}/"
         f"{summary['p99_itl_ms']:.1f}ms preemptions={summary['num_preemptions']} steps={len(res.steps)}"
     )
-    errors = [r.error for r in res.requests if r.error]
-    return line + (f"; first rejection: {errors[0]}" if errors else "")
+    first = next((r.error for r in res.requests if r.error), None)
+    return line + (f"; first rejection: {first}" if first else "")
 
 
 def _write_outputs(args, result: dict, steps) -> None:

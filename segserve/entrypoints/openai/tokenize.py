@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from segserve.entrypoints.openai import protocol as p
+from segserve.entrypoints.openai.tool_calls import template_tools
 
 
 class TokenizeRequest(BaseModel):
@@ -63,9 +64,9 @@ async def tokenize(serving, req: TokenizeRequest) -> TokenizeResponse:
         ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=special)
     else:
         chat = p.ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message, tools=req.tools,
+                                       continue_final_message=req.continue_final_message,
                                        chat_template_kwargs=req.chat_template_kwargs)
-        tools = None if not req.tools else [t.model_dump(exclude_none=True) for t in req.tools]
+        tools = template_tools(req.tools) if req.tools else None
         ids = await asyncio.to_thread(serving.chat_prompt_ids, chat, serving.chat_messages(chat), tools)
         if req.add_special_tokens and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id, *ids]

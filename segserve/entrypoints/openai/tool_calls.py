@@ -140,7 +140,7 @@ def plan_tools(
             raise FieldError("tool_choice needs tools: set `tools` when using `tool_choice`", "tool_choice")
         return ToolPlan("none", parallel=parallel)
     _check_tools(tools)
-    dicts = [t.model_dump(exclude_none=True) for t in tools]
+    dicts = template_tools(tools)
     choice = tool_choice if tool_choice is not None else "auto"
     if isinstance(choice, NamedToolChoice):
         names = [t.function.name for t in tools]
@@ -164,6 +164,12 @@ def plan_tools(
             "tool_choice",
         )
     return ToolPlan(choice, parallel=parallel, tools=dicts)
+
+
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """The tools as the chat template reads them (plain dicts, unset fields left out): one form for
+    every route that renders a chat (``/v1/chat/completions``, ``/tokenize``)."""
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 def _check_tools(tools: list[ChatTool]) -> None:
