@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "benchmarks" / "vs_vllm_driver.py"
 
@@ -47,7 +49,11 @@ def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
     assert sets["total_tok_s"] == (30 + 8) / sets["seconds"]
     dec = out["decode_b2"]
     assert (dec["batch"], dec["output_len"], len(dec["rates"])) == (2, 6, 1)
-    assert dec["tpot_ms"] > 0 and len(out["decode_b2"]["load_before"]) == 3
+    # The figures' arithmetic, not their sign: on this tiny model t_n - t_1 is within timing noise (a CI run
+    # under load measured it negative, 2026-12-05); speed belongs to the benchmarks, not to a test.
+    assert dec["tpot_ms"] == pytest.approx(1000.0 * 2 / dec["decode_tok_s"])
+    assert dec["rates"] == [dec["decode_tok_s"]]
+    assert len(out["decode_b2"]["load_before"]) == 3
 
 
 def test_segserve_driver_lines_mode_answers_each_request(tiny_model_dir, tmp_path):
