@@ -251,3 +251,34 @@ def test_streamed_text_equals_the_text_with_stop_strings(tiny_server):
         # The stop string is in the last chunk too, as in the whole response (chat streams lacked it:
         # a new user's trial, 2026-12-05).
         assert once["stop_reason"] == stop and events[-1]["choices"][0]["stop_reason"] == stop, path
+
+
+def test_stream_sends_a_chunk_for_every_step_with_tokens(tiny_server):
+    """vLLM 0.32 streams a chunk for each engine step that generated tokens, with empty text when the
+    step's text is held back (a stop string's possible start, an incomplete UTF-8 character); segserve
+    skipped those steps, so a client timing chunks merged two inter-token gaps into one and, when the
+    first token's text was held, measured a later TTFT. Completions and chat: one chunk with choices per
+    generated token (n = 1: one token a step), the held-back step's text empty."""
+    from tests.server.harness import sse_events
+
+    handle, _ = tiny_server
+    url = handle.base_url
+    base = {"model": SERVED_NAME, "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    chat = {k: v for k, v in base.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "a"}]}
+    for path, body, field in (("/v1/completions", base, "text"), ("/v1/chat/completions", chat, "content")):
+        def text_of(choice: dict) -> str:
+            return choice["text"] if "text" in choice else choice["message"]["content"]
+
+        prefixes = [text_of(httpx.post(f"{url}{path}", json=body | {"max_tokens": k}).json()["choices"][0])
+                    for k in range(1, 17)]
+        stop = _boundary_stop(prefixes)
+        stream_body = body | {"stop": [stop], "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}{path}", json=stream_body) as s:
+            events = [e for e in sse_events(list(s.iter_lines())) if e != "[DONE]"]
+        with_choices = [e["choices"][0] for e in events if e["choices"]]
+        tokens = events[-1]["usage"]["completion_tokens"]
+        assert len(with_choices) == tokens, (path, stop, len(with_choices), tokens)
+        texts = [c["text"] if field == "text" else c["delta"].get("content") for c in with_choices]
+        assert "" in texts, (path, texts)  # the step whose text waited for the stop string's check
+        assert with_choices[-1]["finish_reason"] == "stop", path

@@ -108,14 +108,16 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
             first, done = not state.started, c.finish_reason is not None
             if not c.token_ids and not done:
                 continue  # a sibling's first token came first: the role waits for this choice's own
-            if state.done or not (first or done or len(c.text) > state.chars):
+            # A step with new tokens sends a chunk even when its text is held back (vLLM 0.32).
+            grew = len(c.text) > state.chars or len(c.token_ids) > state.tokens
+            if state.done or not (first or done or grew):
                 continue
             text, ids, pos = state.take(c.text, c.token_ids, list(c.logprobs or []))
             state.done = done
             # The role travels with the first engine output (vLLM 0.32), so a client that
             # times the first chunk with choices measures the prefill.
             delta = p.DeltaMessage(role="assistant" if first else None,
-                                   content=text if text or first else None)
+                                   content=text if text or first or ids else None)
             logprobs = _chat_logprobs(serving, ids, pos, top_n) if ids else None
             choices.append(p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason))

@@ -169,14 +169,16 @@ async def _completion_events(serving: OpenAIServing, outputs: AsyncIterator[tupl
 def completion_delta(state: SentSoFar, shape: _CompletionShape, prompt: _Prompt, out: RequestOutput, c,
                      index: int) -> p.CompletionChoice | None:
     """The next chunk's choice, or None when there is nothing to send yet. Under ``echo`` the prompt
-    goes out with the first generated token, when its logprobs are complete."""
+    goes out with the first generated token, when its logprobs are complete. As in vLLM 0.32, a step
+    that generated tokens sends a chunk even when its text is held back (empty ``text``)."""
     done = c.finish_reason is not None
     if state.done or (not done and (shape.echo_only or (shape.echo and not c.token_ids))):
         return None
     text = (prompt.text if shape.echo else "") + ("" if shape.echo_only else c.text)
-    if not done and len(text) <= state.chars:
+    ids, pos = shape.tokens(out, c)
+    if not done and len(text) <= state.chars and len(ids) <= state.tokens:
         return None
-    new_text, ids, pos = state.take(text, *shape.tokens(out, c))
+    new_text, ids, pos = state.take(text, ids, pos)
     state.done = done
     logprobs = state.builder.add(ids, pos) if shape.logprobs is not None and state.builder else None
     return p.CompletionChoice(index=index, text=new_text, logprobs=logprobs,
