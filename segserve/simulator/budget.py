@@ -4,9 +4,10 @@ Sarathi-Serve's rule (Agrawal et al., OSDI 2024): size the per-step token budget
 carries a prefill chunk beside the running decodes still fits the inter-token-latency target. Here the
 step model predicts the step: ``AUTO_DECODES`` decodes (or ``max_num_seqs`` when smaller) at
 ``AUTO_CONTEXT`` tokens of context, plus one chunk filling the rest of the budget after
-``AUTO_CONTEXT`` cached tokens, padded as the engine pads it (the default buckets: a budget of 96
-runs 128 rows). The budget is the largest multiple of the block size (at least one block, at most
-``AUTO_MAX_BUDGET`` or ``max_model_len``) whose predicted step is <= the target. Later chunks of long
+``AUTO_CONTEXT`` cached tokens, padded as the engine pads it (the default buckets pad only steps of at
+most 64 rows: a budget of 40 runs 48 rows, one of 96 its 96). The budget is the largest multiple of
+the block size (at least one block, at most ``AUTO_MAX_BUDGET`` or ``max_model_len``) whose predicted
+step is <= the target. Later chunks of long
 prompts attend over more cached tokens and run longer than the target; ``--attention-cost-tokens``
 shrinks those. Torch-free.
 """

@@ -20,17 +20,17 @@ from segserve.simulator.budget import (
 from segserve.simulator.step_model import LinearStepModel
 
 # 10 ms a step + 1 ms a padded row: a budget B costs 10 + bucket(B) ms (buckets: 16, 32, 48, 64, then
-# multiples of 32).
+# every count: steps above 64 rows are not padded).
 ROWS = LinearStepModel({"step": 0.010, "padded_tokens": 0.001})
 
 
 @pytest.mark.parametrize(
     "target_s, budget",
     [
-        (0.2, 160),  # bucket 160 -> 170 ms; 176 pads to 192 -> 202 ms
+        (0.2, 176),  # 176 -> 186 ms; 192 -> 202 ms
         (0.266, 256),
-        (0.5, 480),  # 496 pads to 512 -> 522 ms
-        (1.0, 960),  # 976 pads to 992 -> 1002 ms
+        (0.5, 480),  # 496 -> 506 ms
+        (1.0, 976),  # 976 -> 986 ms; 992 -> 1002 ms
         (0.03, 16),  # 26 ms; 32 -> 42 ms
         (0.001, 16),  # nothing fits: one block
     ],
@@ -43,7 +43,7 @@ def test_auto_budget_is_the_largest_block_multiple_whose_step_fits(target_s, bud
 
 def test_the_default_target_is_fourteen_decode_steps_of_the_profile():
     """``--target-itl-ms auto``: 14 x the predicted step of 8 decodes at 256 tokens of context alone. On
-    ROWS (10 ms a step + 1 ms a padded row): 8 decodes 18 ms -> a 252 ms target -> budget 224."""
+    ROWS (10 ms a step + 1 ms a padded row): 8 decodes 18 ms -> a 252 ms target -> budget 240."""
     from segserve.simulator.budget import (
         AUTO_ITL_DECODE_STEPS,
         DEFAULT_TARGET_ITL_MS,
@@ -57,12 +57,12 @@ def test_the_default_target_is_fourteen_decode_steps_of_the_profile():
     assert all(s.prior == 256 and s.chunk == 1 and s.is_decode for s in step.slices)
     assert math.isclose(auto_target_s(ROWS, 256, 8192), 14 * (0.010 + 8 * 0.001))  # 252 ms
     choice = auto_budget(ROWS, "auto", 16, 256, 8192)
-    assert choice.budget == 224 and math.isclose(choice.target_s, 0.252)  # 224 -> 234 ms; 240 pads to 256
+    assert choice.budget == 240 and math.isclose(choice.target_s, 0.252)  # 240 -> 250 ms; 256 -> 266 ms
     assert "--target-itl-ms 252 (auto: 14 x the predicted step of 8 decodes alone)" in choice.line
-    assert settle_budget("auto", ROWS, "auto", 16, 256, 8192).budget == 224
-    # max_num_seqs below 8: the decodes that can run (2 -> 14 x 12 ms = 168 ms -> 128 rows, 138 ms).
+    assert settle_budget("auto", ROWS, "auto", 16, 256, 8192).budget == 240
+    # max_num_seqs below 8: the decodes that can run (2 -> 14 x 12 ms = 168 ms -> 144 rows, 154 ms).
     assert math.isclose(auto_target_s(ROWS, 2, 8192), 0.168)
-    assert auto_budget(ROWS, "auto", 16, 2, 8192).budget == 128
+    assert auto_budget(ROWS, "auto", 16, 2, 8192).budget == 144
 
 
 def test_a_profile_without_a_decode_step_takes_the_fallback_target():
@@ -135,7 +135,7 @@ def test_auto_budget_counts_decodes_and_the_chunk_attention():
 
 def test_a_given_budget_wins_and_must_hold_a_block():
     assert settle_budget(512, ROWS, 250, 16, 64, 8192).budget == 512
-    assert settle_budget("auto", ROWS, 200, 16, 64, 8192).budget == 160
+    assert settle_budget("auto", ROWS, 200, 16, 64, 8192).budget == 176
     with pytest.raises(ValueError, match=r"--max-num-batched-tokens 8 is below the block size 16 \(--block"):
         settle_budget(8, ROWS, 250, 16, 64, 8192)
 
@@ -193,8 +193,8 @@ def test_simulate_sizes_auto_from_the_profile(tmp_path, capsys):
     rc = main(["simulate", *tiny, "--profile", str(prof), "--max-num-batched-tokens", "auto",
                "--target-itl-ms", "200", "--output-json", str(out)])
     assert rc == 0
-    assert json.loads(out.read_text())["settings"]["max_num_batched_tokens"] == 160
-    assert "[simulate] max_num_batched_tokens auto = 160" in capsys.readouterr().err
+    assert json.loads(out.read_text())["settings"]["max_num_batched_tokens"] == 176
+    assert "[simulate] max_num_batched_tokens auto = 176" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("length", ["auto", "-1"])

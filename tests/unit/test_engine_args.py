@@ -86,7 +86,7 @@ def test_defaults_are_the_config_classes_defaults():
     assert EngineArgs().create_engine_config(8192) == EngineConfig()
     # An empty bucket list means the default buckets, as the keyword API always took it.
     buckets = EngineArgs(num_batched_tokens_buckets=[]).create_engine_config(8192).scheduler
-    assert buckets.num_batched_tokens_buckets == (1, 2, 4, 8, 16, 32, 48, 64, *range(96, 513, 32))
+    assert buckets.num_batched_tokens_buckets == (1, 2, 4, 8, 16, 32, 48, 64, *range(65, 513))
 
 
 @pytest.mark.parametrize(

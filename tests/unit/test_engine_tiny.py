@@ -225,12 +225,14 @@ def test_n_gt_1_child_id_collision_names_the_request_and_harms_nothing(tiny):
 
 def test_offline_llm_defaults_to_vllm_cpus_offline_budget(tiny):
     """``LLM(...)`` without a budget takes 4,096 (vLLM-CPU's offline default), with the default
-    buckets up to it; a given budget wins; given buckets below 4,096 cap it at their largest."""
+    buckets up to it (steps above 64 rows unpadded: a 300-token step runs 300 rows, not 320); a given
+    budget wins; given buckets below 4,096 cap it at their largest."""
     _, root = tiny
     llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
     sched = llm.llm_engine.config.scheduler
     assert sched.max_num_batched_tokens == 4096
-    assert sched.num_batched_tokens_buckets[-1] == 4096 and sched.padded_num_tokens(300) == 320
+    assert sched.num_batched_tokens_buckets[-1] == 4096 and sched.padded_num_tokens(300) == 300
+    assert [sched.padded_num_tokens(t) for t in (3, 33, 64, 65, 4096)] == [4, 48, 64, 65, 4096]
     assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # it runs
     small = dict(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
     explicit = LLM(**small, max_num_batched_tokens=48)
