@@ -203,7 +203,12 @@ def test_lone_surrogate_in_model_is_404_not_500(tiny_server):
 
 
 def test_tokenizing_runs_off_the_event_loop(tiny_server):
-    """While one request tokenizes for 1.5 s, /health and another request are answered."""
+    """While one request tokenizes for 1.5 s, /health and another request are answered. A long prompt:
+    those of at most INLINE_PROMPT_CHARS characters are tokenized on the loop (they take well under a
+    millisecond; test_routes_cli checks where each goes)."""
+    from segserve.entrypoints.openai.serving import INLINE_PROMPT_CHARS
+
+    long_prompt = "SLOW prompt" + " x" * (INLINE_PROMPT_CHARS // 2)
     handle, _ = tiny_server
     serving_llm = handle.engine.engine
     original = serving_llm.tokenizer.encode
@@ -218,7 +223,7 @@ def test_tokenizing_runs_off_the_event_loop(tiny_server):
     serving_llm.tokenizer.encode = slow_encode
     try:
         slow = threading.Thread(target=lambda: httpx.post(
-            handle.base_url + CMPL, json={"model": SERVED_NAME, "prompt": "SLOW prompt", "max_tokens": 1},
+            handle.base_url + CMPL, json={"model": SERVED_NAME, "prompt": long_prompt, "max_tokens": 1},
             timeout=30))
         slow.start()
         assert started.wait(10)

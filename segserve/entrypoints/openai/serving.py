@@ -101,6 +101,21 @@ def check_fields(req: p.BaseModel, refused: dict[str, str]) -> None:
 
 _DISCONNECTED = object()  # what the disconnect watcher puts in the output queue
 
+# Prompts of at most this many characters (or token ids) are tokenized on the event loop: ~0.3 ms for
+# 2,000 characters with SmolLM2's tokenizer, less than the hop to a worker thread and back, which took a
+# median ~1.8 ms of a request's TTFT under `vllm bench serve`'s load with the kernels' threads on both
+# cores (docs/perf.md "Twenty-second session"). Longer ones go to a thread, so the loop keeps serving
+# the other streams meanwhile.
+INLINE_PROMPT_CHARS = 2048
+
+
+async def tokenize_sized(num_chars: int, fn, *args):
+    """``fn(*args)`` (a tokenization of ``num_chars`` characters or token ids) on the event loop when it
+    is short (:data:`INLINE_PROMPT_CHARS`), else in a worker thread; its result, or its exception."""
+    if num_chars <= INLINE_PROMPT_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
 
 async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
     """Put ``_DISCONNECTED`` into ``q`` when the client has gone (the body is already read, so

@@ -6,7 +6,6 @@ The validation, the engine calls and the stream's end are shared with completion
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
@@ -17,6 +16,7 @@ from segserve.entrypoints.openai.errors import bad_request
 from segserve.entrypoints.openai.fields import REFUSED_CHAT
 from segserve.entrypoints.openai.logprobs_format import chat_logprobs
 from segserve.entrypoints.openai.serving import (
+    INLINE_PROMPT_CHARS,
     OpenAIServing,
     SentSoFar,
     check_fields,
@@ -25,6 +25,7 @@ from segserve.entrypoints.openai.serving import (
     last_each,
     sampling_params,
     sse,
+    tokenize_sized,
     until_disconnected,
     usage_of,
 )
@@ -58,7 +59,12 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
                              max_tokens_field="max_completion_tokens" if req.max_completion_tokens is not None
                              else "max_tokens")
     serving.check_servable(params)
-    prompt_ids = await asyncio.to_thread(serving.chat_prompt_ids, req, serving.chat_messages(req), plan.tools)
+    messages = serving.chat_messages(req)
+    # Tools enter the template as JSON schemas: rendering them is off the loop whatever the messages' size.
+    chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+    if plan.tools:
+        chars = INLINE_PROMPT_CHARS + 1
+    prompt_ids = await tokenize_sized(chars, serving.chat_prompt_ids, req, messages, plan.tools)
     serving.check_length(len(prompt_ids), max_tokens, "messages")
     field = constraint_field(req, plan.constraint is not None)
     streams = await serving.start_all([prompt_ids], params, "chatcmpl", serving.salt_of(req, raw), field)

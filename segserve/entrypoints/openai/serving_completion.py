@@ -6,7 +6,6 @@ The validation, the engine calls and the stream's end are shared with chat (``se
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from segserve.entrypoints.openai.serving import (
     sampling_params,
     short_error,
     sse,
+    tokenize_sized,
     until_disconnected,
     usage_of,
 )
@@ -71,9 +71,17 @@ class _CompletionShape:
 
 
 
+def prompt_size(prompt) -> int:
+    """Characters of a completions ``prompt``'s texts plus its token ids (what tokenizing, or decoding
+    the ids for ``echo``, is proportional to)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(one) if isinstance(one, str | list) else 1 for one in prompt or ())
+
+
 def completion_prompts(serving: OpenAIServing, req: p.CompletionRequest) -> list[_Prompt]:
     """Every prompt of the request (a string, token ids, or a non-empty list of either), each
-    checked for length before it is tokenized (called off the event loop: tokenizing takes a while)."""
+    checked for length before it is tokenized (off the event loop when long: ``tokenize_sized``)."""
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
@@ -113,7 +121,7 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
     serving.check_top_k(req)
     params = sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
     serving.check_servable(params)
-    prompts = await asyncio.to_thread(completion_prompts, serving, req)
+    prompts = await tokenize_sized(prompt_size(req.prompt), completion_prompts, serving, req)
     for prompt in prompts:
         serving.check_length(len(prompt.ids), max_tokens, "prompt")
     field = constraint_field(req)
