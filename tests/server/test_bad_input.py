@@ -60,6 +60,9 @@ CASES = [
     # valid JSON nested past the parser's recursion limit (was "not valid UTF-8 JSON": a trial's finding)
     (CMPL, b'{"model": "x", "prompt": "a", "metadata": ' + b"[" * 3000 + b"]" * 3000 + b"}", 400, None,
      "malformed body: JSON nested too deeply to parse"),
+    # an empty body said "body: Field required (got null)" (a fresh user's trial, 2026-12-05)
+    (CMPL, b"", 400, None, "the request body is empty: a JSON object is expected"),
+    (CHAT, b"", 400, None, "the request body is empty: a JSON object is expected"),
 ]
 
 

@@ -194,6 +194,13 @@ def test_validation_messages_name_the_field_path_and_the_value(tiny_server):
     cases = [
         (CMPL, {**GOOD, "prompt": [[False]]}, "prompt",
          "prompt.0.0: Input should be a valid integer (got false)"),
+        # A fresh user's trial (2026-12-05): a number in a prompt's list was named as a bad string (the
+        # list[str] member's complaint); the token-id member's says what the client meant.
+        (CMPL, {**GOOD, "prompt": [1.5, 2]}, "prompt",
+         "prompt.0: Input should be a valid integer (got 1.5)"),
+        (CMPL, {**GOOD, "prompt": [True, 2]}, "prompt",
+         "prompt.0: Input should be a valid integer (got true)"),
+        (CMPL, {**GOOD, "prompt": ["a", 3]}, "prompt", "prompt.1: Input should be a valid string (got 3)"),
         (CMPL, {**GOOD, "stop": 5}, "stop", "stop: Input should be a valid string (got 5)"),
         (CMPL, {**GOOD, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
          "stream_options.include_usage: Input should be a valid boolean (got 1)"),

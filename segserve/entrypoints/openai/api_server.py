@@ -43,8 +43,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = errors[0]
     if err.get("type") == "json_invalid":
         return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    if err.get("type") == "missing" and tuple(err.get("loc", ())) == ("body",):
+        return "the request body is empty: a JSON object is expected", None
     same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(err.get("loc", ()))[:2]]
-    err = max(same_field, key=lambda e: len(e.get("loc", ())))
+    # Deepest first; at equal depth the member that expected the value's own kind (prompt: [1.5] is a
+    # bad token id, not a bad string).
+    err = max(same_field, key=lambda e: (len(e.get("loc", ())), _expects_its_kind(e)))
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
@@ -57,6 +61,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         named = bool(loc) and first == loc[-1]
         return (f"{where}: {message}" if loc and not named else message), param
     return f"{where}: {err.get('msg')} (got {quote(err.get('input'))})", param
+
+
+def _expects_its_kind(err: dict) -> bool:
+    """Whether pydantic's complaint comes from a type of the kind of the value it got: a number (or
+    boolean) refused by an integer, float or boolean type, a string by a string type."""
+    value, kind = err.get("input"), str(err.get("type", ""))
+    if isinstance(value, bool | int | float):
+        return kind.startswith(("int", "float", "bool"))
+    return isinstance(value, str) and kind.startswith("string")
 
 
 def _is_union_tag(part: object) -> bool:
