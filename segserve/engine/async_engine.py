@@ -69,11 +69,21 @@ class StepObserver(Protocol):
         """A live request was aborted (it will send no final output)."""
 
 
+# Most outputs a stream hands over one by one once its reader fell behind: past this many waiting, the
+# older ones are coalesced into the newest (each is cumulative), so a slow reader costs at most this many
+# outputs of memory. Up to it, every step's output reaches the reader, and a streamed response sends a
+# chunk per step as vLLM's does when its server keeps up; with the kernels' threads on both cores the event
+# loop lagged a step now and then even for one client, and two tokens went out in one chunk (a fresh
+# user's trial, 2026-12-05).
+MAX_PENDING_OUTPUTS = 4
+
+
 class OutputStream:
     """One request's outputs, an async iterator of cumulative ``RequestOutput`` (ends when finished).
 
-    Outputs that pile up while the reader is busy are coalesced (each is cumulative), so a slow
-    reader costs no memory per token. ``abort_if_unfinished`` stops the request in the engine.
+    Outputs that pile up while the reader is busy are handed over oldest first; beyond
+    ``MAX_PENDING_OUTPUTS`` waiting, the older ones are coalesced (each is cumulative), so a slow reader
+    costs bounded memory. ``abort_if_unfinished`` stops the request in the engine.
     A reader of several streams at once registers a callback with :meth:`listen` and takes outputs
     with :meth:`take_nowait` instead of iterating: the event loop then wakes that reader directly, one
     hop per token rather than a relay task's two (the server's per-token loop work shares the cores
@@ -95,7 +105,7 @@ class OutputStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        return self._newest(await self.queue.get())
+        return self._next(await self.queue.get())
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """On the loop's thread: queue an output, or the exception that ends the stream; call the
@@ -114,17 +124,23 @@ class OutputStream:
             listener()
 
     def take_nowait(self) -> RequestOutput | None:
-        """The newest waiting output (older ones coalesced), or None when none waits.
+        """The oldest waiting output (coalesced into a newer one when more than ``MAX_PENDING_OUTPUTS``
+        wait), or None when none waits; the listener is called again when more wait.
 
         Raises:
             BaseException: the one that ended the stream (``EngineDeadError``, a step's failure)."""
         self._signalled = False
         if self.queue.empty():
             return None
-        return self._newest(self.queue.get_nowait())
+        out = self._next(self.queue.get_nowait())
+        if not self.queue.empty() and self._listener is not None:  # the rest: the reader's next turns
+            self._signalled = True
+            self._listener()
+        return out
 
-    def _newest(self, item: RequestOutput | BaseException) -> RequestOutput:
-        while not self.queue.empty() and not isinstance(item, BaseException):
+    def _next(self, item: RequestOutput | BaseException) -> RequestOutput:
+        """``item`` (the oldest waiting), or past a backlog of ``MAX_PENDING_OUTPUTS`` a newer one."""
+        while self.queue.qsize() >= MAX_PENDING_OUTPUTS and not isinstance(item, BaseException):
             item = self.queue.get_nowait()
         if isinstance(item, BaseException):
             self.finished = True

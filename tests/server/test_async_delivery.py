@@ -68,7 +68,10 @@ class _Owner:
         self.aborted.append(request_id)
 
 
-def test_a_listened_stream_signals_once_until_taken_and_coalesces() -> None:
+def test_a_listened_stream_signals_once_until_taken_and_hands_over_each_output() -> None:
+    """Outputs that wait are handed over oldest first, one a take, the listener called again while more
+    wait: a streamed response then sends a chunk per step (vLLM's), where it coalesced every waiting
+    output into the newest and sent two tokens in one chunk (a fresh user's trial, 2026-12-05)."""
     async def run() -> None:
         stream = async_engine.OutputStream(_Owner(), "r", asyncio.get_running_loop())
         stream.put(_Out(1))
@@ -77,10 +80,11 @@ def test_a_listened_stream_signals_once_until_taken_and_coalesces() -> None:
         assert calls == [0]  # an output already waited
         stream.put(_Out(2))
         assert calls == [0]  # not taken since the last signal
-        assert stream.take_nowait().n == 2  # outputs 1 and 2 coalesced: the newest
-        assert stream.take_nowait() is None and calls == [0]
+        assert stream.take_nowait().n == 1 and calls == [0, 1]  # output 2 still waits: signalled again
+        assert stream.take_nowait().n == 2 and calls == [0, 1]
+        assert stream.take_nowait() is None and calls == [0, 1]
         stream.put(_Out(3, finished=True))
-        assert calls == [0, 1]
+        assert calls == [0, 1, 2]
         assert stream.take_nowait().n == 3 and stream.finished
         stream.abort_if_unfinished()  # finished: nothing to abort
         assert stream.owner.aborted == []
@@ -88,12 +92,33 @@ def test_a_listened_stream_signals_once_until_taken_and_coalesces() -> None:
     asyncio.run(run())
 
 
+def test_a_reader_far_behind_gets_the_backlog_coalesced() -> None:
+    """Past MAX_PENDING_OUTPUTS waiting, the older outputs are coalesced into a newer one (each is
+    cumulative): a slow reader holds at most that many outputs, and catches up."""
+    async def run() -> None:
+        stream = async_engine.OutputStream(_Owner(), "r", asyncio.get_running_loop())
+        stream.listen(lambda: None)
+        limit = async_engine.MAX_PENDING_OUTPUTS
+        for n in range(1, limit + 7):  # limit + 6 outputs wait
+            stream.put(_Out(n))
+        taken = [stream.take_nowait().n for _ in range(limit)]
+        assert taken == list(range(7, limit + 7)) and stream.take_nowait() is None
+        # The iterator takes the same way.
+        for n in (1, 2):
+            stream.put(_Out(n, finished=n == 2))
+        assert [out.n async for out in stream] == [1, 2]
+
+    asyncio.run(run())
+
+
 def test_a_stream_ended_by_an_exception_raises_it_on_take() -> None:
+    """The outputs queued before the exception are taken first, then the exception is raised."""
     async def run() -> None:
         stream = async_engine.OutputStream(_Owner(), "r", asyncio.get_running_loop())
         stream.listen(lambda: None)
         stream.put(_Out(1))
         stream.put(async_engine.EngineDeadError("gone"))
+        assert stream.take_nowait().n == 1 and not stream.finished
         try:
             stream.take_nowait()
         except async_engine.EngineDeadError as exc:
