@@ -42,6 +42,17 @@ def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def default_padded_tokens(num_tokens: int) -> int:
+    """The rows a step of ``num_tokens`` >= 1 active tokens runs under the default buckets (whatever the
+    budget, once it holds them): ``default_token_buckets(num_tokens)[-1]`` without building the tuple,
+    which the automatic budget's search asks once per candidate budget."""
+    if num_tokens > 64:
+        return num_tokens
+    if num_tokens > 32:
+        return 48 if num_tokens <= 48 else 64
+    return 1 << (num_tokens - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache shape and prefix caching.

@@ -18,7 +18,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from segserve.config import default_token_buckets
+from segserve.config import default_padded_tokens
 from segserve.simulator.step_model import LinearStepModel, RequestSlice, StepComposition, StepTimeModel
 
 AUTO = "auto"
@@ -107,7 +107,7 @@ def sized_step(budget: int, max_num_seqs: int, max_model_len: int) -> StepCompos
     slices = [RequestSlice(ctx, 1, True, True)] * decodes
     if budget > decodes:
         slices.append(RequestSlice(ctx, budget - decodes, False, False))
-    return StepComposition(tuple(slices), default_token_buckets(budget)[-1])
+    return StepComposition(tuple(slices), default_padded_tokens(budget))
 
 
 def decode_step(max_num_seqs: int, max_model_len: int) -> StepComposition:

@@ -87,6 +87,12 @@ def test_defaults_are_the_config_classes_defaults():
     # An empty bucket list means the default buckets, as the keyword API always took it.
     buckets = EngineArgs(num_batched_tokens_buckets=[]).create_engine_config(8192).scheduler
     assert buckets.num_batched_tokens_buckets == (1, 2, 4, 8, 16, 32, 48, 64, *range(65, 513))
+    # The padding of one count under them, as the automatic budget's search takes it.
+    from segserve.config import default_padded_tokens, default_token_buckets
+
+    counts = (1, 2, 3, 17, 32, 33, 48, 49, 64, 65, 300, 4096)
+    assert [default_padded_tokens(n) for n in counts] == [1, 2, 4, 32, 32, 48, 48, 64, 64, 65, 300, 4096]
+    assert all(default_padded_tokens(n) == default_token_buckets(n)[-1] for n in range(1, 200))
 
 
 @pytest.mark.parametrize(
