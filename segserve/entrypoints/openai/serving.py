@@ -109,12 +109,18 @@ _DISCONNECTED = object()  # what the disconnect watcher puts in the output queue
 INLINE_PROMPT_CHARS = 2048
 
 
-async def tokenize_sized(num_chars: int, fn, *args):
-    """``fn(*args)`` (a tokenization of ``num_chars`` characters or token ids) on the event loop when it
-    is short (:data:`INLINE_PROMPT_CHARS`), else in a worker thread; its result, or its exception."""
-    if num_chars <= INLINE_PROMPT_CHARS:
+async def tokenize_sized(num_chars: int | None, fn, *args):
+    """``fn(*args)`` (a tokenization of ``num_chars`` characters or token ids; None: of a size not known
+    cheaply) on the event loop when it is short (:data:`INLINE_PROMPT_CHARS`), else in a worker thread;
+    its result, or its exception."""
+    if num_chars is not None and num_chars <= INLINE_PROMPT_CHARS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
+
+
+def message_chars(messages: list[dict[str, str]]) -> int:
+    """Characters of a conversation's roles and contents (``chat_messages``' form)."""
+    return sum(len(m["content"]) + len(m["role"]) for m in messages)
 
 
 async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
@@ -250,7 +256,7 @@ class OpenAIServing:
             if problem is not None:
                 raise bad_request(f"messages[{i}].content: {problem}", "messages")
         messages = message_dicts(req.messages)
-        self.check_prompt_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")
+        self.check_prompt_chars(message_chars(messages), "messages")
         return messages
 
     def chat_prompt_ids(self, req: p.ChatCompletionRequest, messages: list[dict[str, str]],

@@ -16,13 +16,13 @@ from segserve.entrypoints.openai.errors import bad_request
 from segserve.entrypoints.openai.fields import REFUSED_CHAT
 from segserve.entrypoints.openai.logprobs_format import chat_logprobs
 from segserve.entrypoints.openai.serving import (
-    INLINE_PROMPT_CHARS,
     OpenAIServing,
     SentSoFar,
     check_fields,
     constraint_field,
     guard_stream,
     last_each,
+    message_chars,
     sampling_params,
     sse,
     tokenize_sized,
@@ -60,10 +60,8 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
                              else "max_tokens")
     serving.check_servable(params)
     messages = serving.chat_messages(req)
-    # Tools enter the template as JSON schemas: rendering them is off the loop whatever the messages' size.
-    chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
-    if plan.tools:
-        chars = INLINE_PROMPT_CHARS + 1
+    # Tools enter the template as JSON schemas, of a size not counted here: rendered off the loop.
+    chars = None if plan.tools else message_chars(messages)
     prompt_ids = await tokenize_sized(chars, serving.chat_prompt_ids, req, messages, plan.tools)
     serving.check_length(len(prompt_ids), max_tokens, "messages")
     field = constraint_field(req, plan.constraint is not None)
