@@ -388,6 +388,32 @@ def test_decode_attention_does_not_depend_on_the_split(dtype: torch.dtype) -> No
         torch.testing.assert_close(split, whole, **tol)
 
 
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((24, 8), 32), ((48, 3), 32)],
+                         ids=["g3-d64", "g4-d128", "g3-d32-8kv", "48-heads"])
+def test_many_bfloat16_decodes_equal_the_same_decodes_one_by_one(heads, head_dim) -> None:
+    """40 decodes (120+ work items: enough on up to 10 threads for the C code to give a segment's KV
+    heads to one thread) read a bfloat16 cache a row of all heads at a time (segment_rows_bf16); one
+    decode alone reads it head by head (segment_partial). The same products in the same order, so the
+    same bits, for G and D with a compiled case and without (D = 32), and past MAX_ROW_HEADS (48 query
+    heads: head by head in both). kv_segment_size 64 keeps the split the same for one decode as for 40."""
+    gen = torch.Generator().manual_seed(23)
+    priors = torch.randint(0, 300, (40,), generator=gen).tolist()
+    case = make_case([1] * 40, priors, block_size=16, seg=64, heads=heads, head_dim=head_dim,
+                     dtype=torch.bfloat16, seed=24)
+    md = case.metadata
+    write_kv(case.cache, case.k, case.v, md.slot_mapping)
+    lens, rows = md.seq_lens.long(), torch.arange(40)
+    batch = torch.zeros_like(case.q)
+    cpu_kernels.decode_attention(case.q, batch, rows, case.cache, md.block_table, rows, lens, 64, case.scale)
+    alone = torch.zeros_like(case.q)
+    for j in range(40):
+        one = rows[j : j + 1]
+        cpu_kernels.decode_attention(case.q, alone, one, case.cache, md.block_table, one, lens[j : j + 1], 64,
+                                     case.scale)
+    assert torch.equal(batch, alone)
+    torch.testing.assert_close(batch.float(), sdpa_oracle(case, case.cache).float(), **ATTN_BF16_TOL)
+
+
 @pytest.mark.parametrize("prior", [256, 600, 40])
 def test_one_decode_split_into_equal_segments_equals_sdpa(prior: int) -> None:
     """A single decode's context is cut into equal segments (257 tokens: 129 + 128, not 256 + 1):
