@@ -511,7 +511,10 @@ def decode_attention(
             token included, already written to the cache) of each decode.
         kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` (see :func:`supports_cache`).
         block_table: ``[B, max_blocks_per_seq]`` int32 contiguous.
-        kv_segment_size: the most tokens per segment (one work item per decode, KV head and segment).
+        kv_segment_size: the most tokens per segment (one work item per decode, KV head and segment;
+            with a bfloat16 cache and at least 4 segments per thread, e.g. 8 short decodes on two
+            threads, per decode and segment for all KV heads, reading each token's row once: the same
+            values).
             The C code splits segments below it when the contexts are short: it halves the segment,
             down to 64 tokens, until there are two work items per thread, so that a few short decodes
             still give every core work (one 300-token decode with 2 KV heads is 2 items at 512, 4 at

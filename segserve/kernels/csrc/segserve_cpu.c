@@ -832,7 +832,9 @@ static void attention_plan_free(att_plan *p) {
 /* Decode attention's work split, made once per step and used by every layer.
  *
  * Each decode's tokens are walked in segments, one work item per (decode, KV head, segment), each
- * giving an unnormalised partial (segment_partial) that a second pass merges per (decode, KV head) by
+ * giving an unnormalised partial (segment_partial; or, for a bfloat16 cache and enough items,
+ * segment_rows_bf16 gives a segment's partials of every KV head in one item: attention_team) that a
+ * second pass merges per (decode, KV head) by
  * log-sum-exp: L = max_s m_s, o = sum_s o_s e^(m_s - L) / sum_s l_s e^(m_s - L) (FlashAttention's
  * online softmax; "Flash-Decoding" split-KV, Dao et al. 2023). The segment is a->seg tokens at most,
  * and shorter when the contexts are short: few decodes over short contexts give fewer work items than
