@@ -5,7 +5,10 @@ step) and ``end`` with the step's wall time. ``begin`` reduces the step to the s
 sums in a few integer operations per request; ``end`` stores predicted / actual in a fixed ring of
 the last ``window`` steps (an ``array('d')``, allocated once). Every ``window`` steps the median of
 ``|predicted / actual - 1|`` over the ring is computed and, above ``threshold`` (20 %), logged as a
-warning: the profile no longer describes the machine (load, another CPU, a changed engine).
+warning: the profile no longer describes the machine (load, another CPU, a changed engine). The
+warning is logged when the error crosses the limit, then at most every ``repeat_s`` (10 min) while it
+stays above, and an info line when it comes back within (on a loaded machine the same warning every
+window flooded the log).
 ``gathered_kv`` is not computed live (it needs the segment plan over the block tables, the one
 costly feature); it counts as 0, which the compiled CPU kernels' decodes never gather anyway.
 Torch-free.
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from array import array
+from collections.abc import Callable
 
 from segserve.core.request import is_decode
 from segserve.simulator.step_model import (
@@ -31,6 +36,7 @@ logger = logging.getLogger("segserve")
 
 DEFAULT_WINDOW = 200
 DEFAULT_THRESHOLD = 0.2
+DEFAULT_REPEAT_S = 600.0
 
 
 class StepErrorMonitor:
@@ -41,6 +47,8 @@ class StepErrorMonitor:
         window: ring size, steps; also how often the median is checked.
         threshold: median ``|predicted / actual - 1|`` above which a warning is logged.
         source: how the profile is named in the warning.
+        repeat_s: seconds between warnings while the error stays above ``threshold``.
+        clock: the time source, seconds (``time.monotonic``).
 
     Attributes:
         num_steps: steps measured so far.
@@ -54,9 +62,13 @@ class StepErrorMonitor:
         window: int = DEFAULT_WINDOW,
         threshold: float = DEFAULT_THRESHOLD,
         source: str = "",
+        repeat_s: float = DEFAULT_REPEAT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if window < 1 or not threshold > 0:
-            raise ValueError(f"window must be >= 1 and threshold > 0, got {window}, {threshold}")
+        if window < 1 or not threshold > 0 or not repeat_s >= 0:
+            raise ValueError(
+                f"window must be >= 1, threshold > 0 and repeat_s >= 0, got {window}, {threshold}, {repeat_s}"
+            )
         self.model = model
         self.window = window
         self.threshold = threshold
@@ -70,6 +82,9 @@ class StepErrorMonitor:
         self.last_predicted = math.nan
         self.last_median_error = math.nan
         self._predicted = math.nan
+        self.repeat_s = repeat_s
+        self._clock = clock
+        self._warned_at: float | None = None  # the last warning's clock time; None while within the limit
 
     def begin(self, scheduler, so, priors: dict[str, int]) -> None:
         """Predict the step ``so`` (``priors``: its ``num_prior_tokens()``), read after ``schedule()``."""
@@ -115,7 +130,15 @@ class StepErrorMonitor:
 
     def _check(self) -> None:
         err = self.last_median_error = self.median_error()
-        if err > self.threshold:
+        if not err > self.threshold:
+            if self._warned_at is not None:
+                logger.info("step-time model back within %.0f%% (median error %.0f%% over the last %d steps)",
+                            100 * self.threshold, 100 * err, self.window)
+                self._warned_at = None
+            return
+        now = self._clock()
+        if self._warned_at is None or now - self._warned_at >= self.repeat_s:
+            self._warned_at = now
             ratios = sorted(r for r in self.ratios if not math.isnan(r))
             logger.warning(
                 "step-time model off by a median %.0f%% over the last %d steps (predicted/actual median "

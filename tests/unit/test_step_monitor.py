@@ -61,3 +61,31 @@ def test_a_step_without_begin_is_not_recorded():
     mon = StepErrorMonitor(MODEL, window=4)
     mon.end(0.1)
     assert mon.num_steps == 0 and math.isnan(mon.median_error())
+
+
+def test_a_lasting_error_is_warned_once_then_at_most_every_repeat_interval(caplog):
+    """A new user's server on a loaded machine logged the same ~400-character warning every 200 steps
+    (24 times in 9 minutes). Now: once when the median error crosses the limit, again only after
+    ``repeat_s`` while it stays above, and once more (info) when it comes back within the limit, after
+    which a new crossing warns at once."""
+    scheduler, so, priors, comp = fake_step()
+    predicted = MODEL.predict(comp)
+    now = [1000.0]
+    mon = StepErrorMonitor(MODEL, window=4, repeat_s=600.0, clock=lambda: now[0])
+
+    def windows(n: int, actual: float) -> None:
+        for _ in range(n * 4):
+            mon.begin(scheduler, so, priors)
+            mon.end(actual)
+            now[0] += 1.0  # a step a second: a window every 4 s
+
+    with caplog.at_level(logging.INFO, logger="segserve"):
+        windows(30, 2 * predicted)  # 120 s off by 50 %: one warning
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+        windows(130, 2 * predicted)  # past 600 s since the warning: a second one
+        assert [r.levelno for r in caplog.records] == [logging.WARNING] * 2
+        windows(2, predicted)  # back within the limit: one info line
+        windows(2, 2 * predicted)  # off again: warned at once
+    levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.WARNING, logging.WARNING, logging.INFO, logging.WARNING]
+    assert "back within" in caplog.records[2].getMessage()
