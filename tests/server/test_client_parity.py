@@ -290,6 +290,39 @@ def test_bad_new_fields_answer_400_naming_the_field_and_the_server_keeps_serving
     handle.assert_idle_and_clean()
 
 
+def test_continuous_usage_counts_each_choice_its_own_tokens(tiny_server):
+    """A new user's ``n: 3`` stream carried usage summed over the three choices (3, 6, 9 completion
+    tokens; the first chunk of choice 0 said 3 after its one token). vLLM 0.32 gives each chunk its own
+    choice's tokens so far and its own prompt's tokens (``previous_num_tokens[i]``,
+    ``num_prompt_tokens[prompt_idx]``); the final usage chunk sums everything."""
+    handle, _ = tiny_server
+    client = openai_client(handle)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = [[5, 6, 7], [5, 6, 7, 8, 9]]
+    chunks = list(client.completions.create(model=SERVED_NAME, prompt=prompts, max_tokens=3, n=3,
+                                            temperature=1.0, seed=1, stream=True, stream_options=opts,
+                                            extra_body={"ignore_eos": True}))
+    seen: dict[int, int] = {}
+    for c in (c for c in chunks if c.choices):
+        (choice,) = c.choices
+        seen[choice.index] = seen.get(choice.index, 0) + 1  # one token a step
+        assert c.usage.completion_tokens == seen[choice.index], (choice.index, c.usage)
+        assert c.usage.prompt_tokens == len(prompts[choice.index // 3])
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert seen == {i: 3 for i in range(6)}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    assert chunks[-1].usage.prompt_tokens == 3 + 5
+    chat = list(client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=2, n=2, temperature=1.0, seed=1, stream=True,
+                                               stream_options=opts, extra_body={"ignore_eos": True}))
+    tokens: dict[int, int] = {}
+    for c in (c for c in chat if c.choices):
+        (choice,) = c.choices
+        tokens[choice.index] = tokens.get(choice.index, 0) + 1
+        assert c.usage.completion_tokens == tokens[choice.index], (choice.index, c.usage)
+    assert tokens == {0: 2, 1: 2} and chat[-1].usage.completion_tokens == 4
+
+
 def test_stream_options_continuous_usage_stats(tiny_server):
     handle, _ = tiny_server
     client = openai_client(handle)

@@ -191,6 +191,14 @@ def usage_of(outs: list[RequestOutput], generated: bool = True) -> p.UsageInfo:
                         sum(o.num_cached_tokens for o in outs))
 
 
+def choice_usage(out: RequestOutput, c, generated: bool = True) -> p.UsageInfo:
+    """A streamed chunk's ``continuous_usage_stats``: its choice's prompt and the tokens that choice
+    ``c`` (a ``CompletionOutput`` of ``out``) has generated so far, as vLLM 0.32 counts them per choice
+    (``previous_num_tokens[i]``), not summed over the request's choices and prompts."""
+    completion = len(c.token_ids) if generated else 0
+    return p.usage_info(len(out.prompt_token_ids), completion, out.num_cached_tokens)
+
+
 
 
 class OpenAIServing:

@@ -19,6 +19,7 @@ from segserve.entrypoints.openai.serving import (
     OpenAIServing,
     SentSoFar,
     check_fields,
+    choice_usage,
     constraint_field,
     guard_stream,
     last_each,
@@ -106,7 +107,7 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
                         ids, pos = list(c.token_ids[n0:]), list(c.logprobs or [])[n0:]
                         logprobs_sent[c.index] = len(c.token_ids)
                         choice.logprobs = _chat_logprobs(serving, ids, pos, top_n) if ids else None
-                    choices.append(choice)
+                    choices.append((choice, c))
                 continue
             state = sent.setdefault(c.index, SentSoFar(None))
             first, done = not state.started, c.finish_reason is not None
@@ -123,11 +124,10 @@ async def _chat_events(serving: OpenAIServing, outputs: AsyncIterator[tuple[int,
             delta = p.DeltaMessage(role="assistant" if first else None,
                                    content=text if text or first or ids else None)
             logprobs = _chat_logprobs(serving, ids, pos, top_n) if ids else None
-            choices.append(p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        usage = usage_of([out]) if req.continuous_usage and choices else None
-        for choice in choices:  # one choice a chunk, as vLLM streams n > 1
-            yield chunk([choice], usage)
+            choices.append((p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason), c))
+        for choice, c in choices:  # one choice a chunk, as vLLM streams n > 1
+            yield chunk([choice], choice_usage(out, c) if req.continuous_usage else None)
     if req.include_usage and last is not None and last.finished:
         yield chunk([], usage_of([last]))
 

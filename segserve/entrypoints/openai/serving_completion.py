@@ -20,6 +20,7 @@ from segserve.entrypoints.openai.serving import (
     OpenAIServing,
     SentSoFar,
     check_fields,
+    choice_usage,
     constraint_field,
     guard_stream,
     last_each,
@@ -163,10 +164,9 @@ async def _completion_events(serving: OpenAIServing, outputs: AsyncIterator[tupl
             state = sent.setdefault(key, SentSoFar(CompletionLogprobsBuilder(serving.decode_token)))
             choice = completion_delta(state, shape, prompts[i], out, c, key)
             if choice is not None:
-                choices.append(choice)
-        wants_usage = req.continuous_usage and choices
-        usage = usage_of(list(last.values()), not shape.echo_only) if wants_usage else None
-        for choice in choices:  # one choice a chunk, as vLLM streams n > 1
+                choices.append((choice, c))
+        for choice, c in choices:  # one choice a chunk, as vLLM streams n > 1
+            usage = choice_usage(out, c, not shape.echo_only) if req.continuous_usage else None
             yield sse(p.CompletionResponse(id=rid, model=model, choices=[choice], usage=usage))
     finals = list(last.values())
     if req.include_usage and len(finals) == len(prompts) and all(o.finished for o in finals):
