@@ -11,6 +11,7 @@ alternation of string literals, ``regex`` -> xgrammar's regex, ``grammar`` -> EB
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import xgrammar as xgr
@@ -90,6 +91,11 @@ def _check_json_schema(schema: Any) -> None:
         raise ValueError(message) from None
 
 
+# xgrammar's C++ errors start with its log prefix, "[18:42:50] /project/cpp/regex_converter.cc:83: ": a
+# time and a source line of no use to a client.
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    return _XGRAMMAR_LOG_PREFIX.sub("", text.splitlines()[0])[:300]

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 from model_fixtures import save_tiny_hf_dir, tiny_hf_model, train_tiny_tokenizer  # noqa: E402
 
 from segserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from segserve.structured_output.grammar import build_grammar  # noqa: E402
 from segserve.worker.grammar_mask import GrammarBitmask, apply_grammar_bitmask  # noqa: E402
 
 ENGINE = dict(block_size=4, num_kv_blocks=257, max_num_batched_tokens=256, max_num_seqs=32, max_model_len=128)
@@ -313,3 +314,20 @@ def test_a_constraint_no_output_satisfies_ends_with_error_and_the_engine_goes_on
     ok = llm.generate("fox", greedy(StructuredOutputsParams(choice=["ok"])), use_tqdm=False)[0]
     assert ok.outputs[0].text == "ok"
     llm.llm_engine.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(regex="(["),
+     "structured_outputs.regex is invalid or unsupported: Regex parsing error at position 3: Unclosed '['"),
+    (dict(json={"type": "integer", "minimum": 5, "maximum": 1}),
+     "structured_outputs.json is invalid or unsupported: Invalid range: minimum greater than maximum"),
+    (dict(grammar="root ::= undefined_rule"),
+     "structured_outputs.grammar is invalid or unsupported: EBNF parser error at line 1, column 10: "
+     "Rule \"undefined_rule\" is not defined"),
+])
+def test_grammar_errors_carry_no_timestamp_or_source_path(kwargs, message):
+    """A new user's trial: xgrammar's messages start with its log prefix, ``[18:42:50]
+    /project/cpp/regex_converter.cc:83: ``, a time and a C++ source line of no use to a client."""
+    with pytest.raises(ValueError) as info:
+        build_grammar(StructuredOutputsParams(**kwargs))
+    assert str(info.value) == message
