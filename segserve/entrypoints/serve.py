@@ -6,6 +6,7 @@ import argparse
 import concurrent.futures
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -38,15 +39,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--api-key", default=None,
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SEGSERVE_API_KEY; else none)",
     )
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000,
+                     help="TCP port to listen on, bound before the model loads; 0 picks a free one (default: "
+                     "%(default)s)")
     srv.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="model name(s) clients send as `model` (default: the model file's name, and MODEL as given)",
     )
     srv.add_argument(
         "--max-waiting-requests", type=int, default=256,
-        help="bound on the waiting queue; requests beyond it get HTTP 503",
+        help="bound on the waiting queue; requests beyond it get HTTP 503 (default: %(default)s)",
     )
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
     srv.add_argument(
@@ -96,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
     ``--shutdown-grace-period`` and exit the process with status 0 (``shutdown.exit_now``)."""
     from segserve import LLMEngine
     from segserve.engine.step_monitor import StepErrorMonitor
-    from segserve.entrypoints.openai.api_server import bind_socket, make_server
+    from segserve.entrypoints.openai.api_server import make_server
     from segserve.entrypoints.openai.shutdown import exit_now, serve
 
     if args.max_waiting_requests < 1:
@@ -115,6 +118,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if use_ray:
         scale_out.ScaleOut.from_cli_args(args).check_reachable()  # bad flags fail before any model work
     resolve_model_arg(args)
+    # The port first, as vLLM binds it before building its engine: a taken one fails now, not after
+    # the model has loaded (and clients that connect during the load wait in the backlog).
+    sock = None if use_ray else listening_socket(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     t0 = time.perf_counter()
     auto = args.max_num_batched_tokens == AUTO
@@ -142,11 +148,26 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("SEGSERVE_API_KEY") or None,
         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
-    sock = bind_socket(args.host, args.port)
     log.info("serving on http://%s:%d", *sock.getsockname()[:2])
     serve(app, sock, engine, args.shutdown_grace_period)
     exit_now(0)
     return 0  # not reached
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """``api_server.bind_socket(host, port)``, its failure named by the flags.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this machine's, a privileged port).
+    """
+    from segserve.entrypoints.openai.api_server import bind_socket
+
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise OSError(exc.errno, f"--host {host} --port {port}: {reason} (another server there? pick another "
+                      f"--port, or 0 for a free one)") from None
 
 
 def off_the_main_thread(fn: Callable[..., T], *fn_args: Any) -> T:

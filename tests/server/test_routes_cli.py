@@ -147,6 +147,23 @@ def test_serve_takes_the_model_positionally_and_vllm_flags():
         _serve_args(["--kv-cache-memory-bytes", "lots"])
 
 
+def test_a_port_in_use_is_refused_before_any_model_work():
+    """A new user's trial: ``serve --port P`` with P taken loaded the model (3-8 s), then said only
+    "[Errno 98] Address already in use". The socket is now bound first (as vLLM does), and the error
+    names the host and port: here before the (nonexistent) model is even looked at."""
+    import socket
+
+    from segserve.entrypoints.serve import run_serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        args = _serve_args(["/models/none.gguf", "--host", "127.0.0.1", "--port", str(port)])
+        with pytest.raises(OSError, match=rf"--host 127.0.0.1 --port {port}: address already in use"):
+            run_serve(args)
+
+
 def test_dtype_auto_follows_the_checkpoint(tmp_path, tiny_loaded):
     import torch
 
