@@ -290,6 +290,29 @@ def test_bad_new_fields_answer_400_naming_the_field_and_the_server_keeps_serving
     handle.assert_idle_and_clean()
 
 
+@pytest.mark.parametrize("path,extra,status,words", [
+    ("/v1/completions", {"add_special_tokens": True}, 200, None),  # vLLM's default there: what is done
+    ("/v1/completions", {"add_special_tokens": False}, 400, "add_special_tokens=false is not implemented"),
+    ("/v1/chat/completions", {"add_special_tokens": False}, 200, None),  # vLLM's default for chat
+    ("/v1/chat/completions", {"add_special_tokens": True}, 400, "add_special_tokens=true is not implemented"),
+    ("/v1/completions", {"request_id": "abc"}, 400, "client-chosen request ids are not implemented"),
+    ("/v1/chat/completions", {"request_id": "abc"}, 400, "client-chosen request ids are not implemented"),
+])
+def test_vllm_request_fields_add_special_tokens_and_request_id(tiny_server, path, extra, status, words):
+    """A new user's trial: both vLLM 0.32 fields were "not a field this server knows". The value segserve
+    already follows is accepted; the others are refused saying so, and the server keeps serving."""
+    handle, _ = tiny_server
+    base = ({"prompt": "hi", "max_tokens": 2} if "chat" not in path
+            else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base, **extra})
+    assert r.status_code == status, r.text
+    if words is not None:
+        err = r.json()["error"]
+        assert err["param"] == next(iter(extra)) and words in err["message"], err
+    assert httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base}).status_code == 200
+    handle.assert_idle_and_clean()
+
+
 def test_continuous_usage_counts_each_choice_its_own_tokens(tiny_server):
     """A new user's ``n: 3`` stream carried usage summed over the three choices (3, 6, 9 completion
     tokens; the first chunk of choice 0 said 3 after its one token). vLLM 0.32 gives each chunk its own

@@ -88,6 +88,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
+    # vLLM 0.32's default: the tokenizer's special tokens (e.g. BOS) added, which is what is done; false
+    # is refused (serving_completion).
+    add_special_tokens: bool = True
 
 
 class ContentPart(_Lenient):
@@ -137,6 +140,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last message open (it must then be the model's)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM 0.32's default for chat: no special tokens beyond the template's, which is what is done; true
+    # is refused (serving_chat).
+    add_special_tokens: bool = False
 
 
 # ---- responses -------------------------------------------------------------------------------------
