@@ -293,6 +293,7 @@ def test_bad_new_fields_answer_400_naming_the_field_and_the_server_keeps_serving
 @pytest.mark.parametrize("path,extra,status,words", [
     ("/v1/completions", {"add_special_tokens": True}, 200, None),  # vLLM's default there: what is done
     ("/v1/completions", {"add_special_tokens": False}, 400, "add_special_tokens=false is not implemented"),
+    ("/v1/completions", {"prompt": [5, 6, 7], "add_special_tokens": False}, 200, None),  # ids as given
     ("/v1/chat/completions", {"add_special_tokens": False}, 200, None),  # vLLM's default for chat
     ("/v1/chat/completions", {"add_special_tokens": True}, 400, "add_special_tokens=true is not implemented"),
     ("/v1/completions", {"request_id": "abc"}, 400, "client-chosen request ids are not implemented"),

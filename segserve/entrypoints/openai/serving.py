@@ -199,8 +199,6 @@ def choice_usage(out: RequestOutput, c, generated: bool = True) -> p.UsageInfo:
     return p.usage_info(len(out.prompt_token_ids), completion, out.num_cached_tokens)
 
 
-
-
 class OpenAIServing:
     """The served model's checks and engine calls, shared by the routes (``serving_completion``,
     ``serving_chat``, ``tokenize``).

@@ -115,7 +115,8 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
     check_fields(req, REFUSED_COMPLETION)
     if req.best_of not in (None, req.n):
         raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
-    if not req.add_special_tokens:
+    texts = isinstance(req.prompt, str) or any(isinstance(one, str) for one in req.prompt)
+    if not req.add_special_tokens and texts:  # token ids are taken as given either way (vLLM too)
         raise bad_request("add_special_tokens=false is not implemented: a text prompt is tokenized with the "
                           "tokenizer's special tokens (vLLM's default); send token ids to choose them",
                           "add_special_tokens")
