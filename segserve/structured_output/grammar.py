@@ -31,7 +31,9 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     kind, text, no_ws = params.cache_key()
     try:
         if kind == "json":
-            _check_json_schema(json.loads(text))
+            schema = json.loads(text)
+            _check_json_schema(schema)
+            _refuse_unenforced(schema)
             return json_schema_grammar(text, any_whitespace=not no_ws)
         if kind == "json_object":
             return json_schema_grammar(JSON_OBJECT_SCHEMA, any_whitespace=not no_ws)
@@ -89,6 +91,48 @@ def _check_json_schema(schema: Any) -> None:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         message = f"structured_outputs.json is not a valid JSON schema at {where}: {exc.message}"
         raise ValueError(message) from None
+
+
+# Where a JSON schema holds subschemas (JSON Schema 2020-12): a map of them, one, or a list of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedItems",
+               "unevaluatedProperties", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+# Keywords xgrammar 0.2.8 compiles without enforcing: for each, a string that breaks it matches the
+# grammar (checked one by one; multipleOf, patternProperties, propertyNames, dependentSchemas and const
+# are enforced). allOf is enforced with one entry (pydantic's wrapper of a $ref) and not with more.
+_UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains")
+
+
+def _refuse_unenforced(schema: Any, where: str = "") -> None:
+    """ValueError naming the first keyword of ``schema`` (at a schema position, not a property name)
+    that the grammar would not enforce, so no output is claimed to follow a schema it may break (vLLM's
+    newer releases check the same, fail-closed)."""
+    if not isinstance(schema, dict):
+        return
+    at = where or "(root)"
+    for key in _UNENFORCED:
+        if key in schema:
+            raise ValueError(f"structured_outputs.json uses `{key}` at {at}, which is not enforced by the "
+                             "grammar backend (xgrammar): remove it or state the constraint another way")
+    if schema.get("uniqueItems") is True:
+        raise ValueError(f"structured_outputs.json uses `uniqueItems` at {at}, which is not enforced by the "
+                         "grammar backend (xgrammar): remove it or state the constraint another way")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise ValueError(f"structured_outputs.json uses `allOf` with {len(schema['allOf'])} schemas at {at}, "
+                         "which is not enforced by the grammar backend (xgrammar): merge them into one")
+    prefix = f"{where}/" if where else ""
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                _refuse_unenforced(sub, f"{prefix}{key}/{name}")
+    for key in _SCHEMA_ONE:
+        if isinstance(schema.get(key), dict):
+            _refuse_unenforced(schema[key], f"{prefix}{key}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                _refuse_unenforced(sub, f"{prefix}{key}/{i}")
 
 
 # xgrammar's C++ errors start with its log prefix, "[18:42:50] /project/cpp/regex_converter.cc:83: ": a

@@ -331,3 +331,32 @@ def test_grammar_errors_carry_no_timestamp_or_source_path(kwargs, message):
     with pytest.raises(ValueError) as info:
         build_grammar(StructuredOutputsParams(**kwargs))
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"not": {"type": "integer"}}, "uses `not` at (root)"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+     "uses `uniqueItems` at properties/a"),
+    ({"type": "array", "contains": {"const": 7}}, "uses `contains` at (root)"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 10}}, "uses `if` at (root)"),
+    ({"$defs": {"A": {"allOf": [{"type": "integer"}, {"minimum": 10}]}}, "$ref": "#/$defs/A"},
+     "uses `allOf` with 2 schemas at $defs/A"),
+])
+def test_schema_keywords_the_grammar_does_not_enforce_are_refused(schema, message):
+    """A new user's trial: ``{"not": {}}`` (which nothing satisfies) was accepted and generated "-0.03".
+    xgrammar 0.2.8 compiles these keywords without enforcing them (each checked: a string that breaks
+    the keyword matches its grammar), so the schema is refused rather than silently loosened."""
+    with pytest.raises(ValueError) as info:
+        build_grammar(StructuredOutputsParams(json=schema))
+    assert str(info.value).startswith("structured_outputs.json " + message), str(info.value)
+    assert "not enforced" in str(info.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}},  # names
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},  # a no-op
+    {"allOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": {"type": "integer"}}},  # pydantic's one-entry allOf
+    {"type": "integer", "multipleOf": 3},  # enforced by xgrammar
+])
+def test_schemas_without_unenforced_keywords_still_compile(schema):
+    assert build_grammar(StructuredOutputsParams(json=schema)) is not None
