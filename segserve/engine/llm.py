@@ -236,9 +236,13 @@ def template_messages(messages: ChatMessages) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt_ids(engine: LLMEngine, messages: ChatMessages, *args: Any, **kwargs: Any) -> list[int]:
-    """A conversation rendered by :func:`render_chat` (same arguments) and tokenized (no extra BOS)."""
-    return engine.tokenizer.encode(render_chat(engine, messages, *args, **kwargs), add_special_tokens=False)
+def chat_prompt_ids(engine: LLMEngine, messages: ChatMessages, *args: Any, add_special_tokens: bool = False,
+                    **kwargs: Any) -> list[int]:
+    """A conversation rendered by :func:`render_chat` (same arguments) and tokenized: without the
+    tokenizer's special tokens by default (the template writes its own), with them on top when
+    ``add_special_tokens`` (vLLM's chat field of that name)."""
+    text = render_chat(engine, messages, *args, **kwargs)
+    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def render_chat(

@@ -176,10 +176,12 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a prompt; ValueError for an empty or invalid one. A dict
         with ``prompt_token_ids`` and a ``prompt`` string (the text they were made from, e.g. a rendered
-        chat) reports that text and is not tokenized again."""
+        chat) reports that text and is not tokenized again. ``add_special_tokens``: a text prompt gets the
+        tokenizer's special tokens (e.g. a GGUF's BOS when it asks for one), as ``tokenizer.encode`` and
+        vLLM's completions do by default; token ids are taken as given either way."""
         text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -195,7 +197,7 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty (0 characters); at least 1 token is needed")
             try:
-                return prompt, self.tokenizer.encode(prompt)
+                return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             except TypeError as exc:  # looked into only on failure: a scan per request would cost O(chars)
                 bad = next((i for i, ch in enumerate(prompt) if "\ud800" <= ch <= "\udfff"), None)
                 if bad is not None:  # a lone surrogate (JSON allows "\ud800"): not text, and not encodable

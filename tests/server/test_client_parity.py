@@ -290,28 +290,56 @@ def test_bad_new_fields_answer_400_naming_the_field_and_the_server_keeps_serving
     handle.assert_idle_and_clean()
 
 
-@pytest.mark.parametrize("path,extra,status,words", [
-    ("/v1/completions", {"add_special_tokens": True}, 200, None),  # vLLM's default there: what is done
-    ("/v1/completions", {"add_special_tokens": False}, 400, "add_special_tokens=false is not implemented"),
-    ("/v1/completions", {"prompt": [5, 6, 7], "add_special_tokens": False}, 200, None),  # ids as given
-    ("/v1/chat/completions", {"add_special_tokens": False}, 200, None),  # vLLM's default for chat
-    ("/v1/chat/completions", {"add_special_tokens": True}, 400, "add_special_tokens=true is not implemented"),
-    ("/v1/completions", {"request_id": "abc"}, 400, "client-chosen request ids are not implemented"),
-    ("/v1/chat/completions", {"request_id": "abc"}, 400, "client-chosen request ids are not implemented"),
-])
-def test_vllm_request_fields_add_special_tokens_and_request_id(tiny_server, path, extra, status, words):
-    """A new user's trial: both vLLM 0.32 fields were "not a field this server knows". The value segserve
-    already follows is accepted; the others are refused saying so, and the server keeps serving."""
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_request_id_is_refused_by_name_and_the_server_keeps_serving(tiny_server, path):
+    """A new user's trial: vLLM 0.32's ``request_id`` was "not a field this server knows"; client-chosen
+    ids are not implemented, and the refusal says so."""
     handle, _ = tiny_server
     base = ({"prompt": "hi", "max_tokens": 2} if "chat" not in path
             else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    r = httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base, **extra})
-    assert r.status_code == status, r.text
-    if words is not None:
-        err = r.json()["error"]
-        assert err["param"] == next(iter(extra)) and words in err["message"], err
+    r = httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base, "request_id": "abc"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "request_id" and "client-chosen request ids are not implemented" in err["message"]
     assert httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base}).status_code == 200
     handle.assert_idle_and_clean()
+
+
+def test_add_special_tokens_follows_vllm_on_a_tokenizer_that_adds_bos(tmp_path):
+    """A new user's trial: vLLM 0.32's ``add_special_tokens`` was "not a field this server knows". On a
+    GGUF whose tokenizer adds BOS: completions add it by default and not with false (token ids are taken
+    as given either way); chat adds none beyond the template's by default and BOS on top with true."""
+    from segserve import LLMEngine
+    from segserve.models.loader import load_model
+    from tests.model_fixtures import tiny_hf_model, train_tiny_tokenizer, write_tiny_gguf
+    from tests.server.conftest import TINY_ENGINE
+    from tests.server.harness import running_server
+
+    write_tiny_gguf(tmp_path / "bos.gguf", tiny_hf_model(), train_tiny_tokenizer(), add_bos=True)
+    loaded = load_model(str(tmp_path / "bos.gguf"))
+    tok = loaded.tokenizer
+    text = "The lazy dog"
+    plain = tok.encode(text, add_special_tokens=False)
+    assert tok.encode(text) == [tok.bos_token_id, *plain]  # the fixture's tokenizer does add BOS
+    with running_server(LLMEngine(loaded, **TINY_ENGINE)) as (handle, _):
+
+        def prompt_tokens(path: str, body: dict) -> int:
+            r = httpx.post(handle.base_url + path, json={"model": SERVED_NAME, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        n = len(plain)
+        assert prompt_tokens("/v1/completions", {"prompt": text}) == n + 1
+        assert prompt_tokens("/v1/completions", {"prompt": text, "add_special_tokens": True}) == n + 1
+        assert prompt_tokens("/v1/completions", {"prompt": text, "add_special_tokens": False}) == n
+        assert prompt_tokens("/v1/completions", {"prompt": plain, "add_special_tokens": True}) == n
+        messages = [{"role": "user", "content": text}]
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        chat = len(tok.encode(rendered, add_special_tokens=False))
+        assert prompt_tokens("/v1/chat/completions", {"messages": messages}) == chat
+        with_bos = {"messages": messages, "add_special_tokens": True}
+        assert prompt_tokens("/v1/chat/completions", with_bos) == chat + 1
+        handle.assert_idle_and_clean()
 
 
 def test_continuous_usage_counts_each_choice_its_own_tokens(tiny_server):

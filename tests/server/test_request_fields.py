@@ -41,7 +41,7 @@ SAMPLES = {
     "priority": 1, "logits_processors": ["x"], "return_tokens_as_token_ids": True,
     "kv_transfer_params": {}, "prompt_embeds": "AAAA", "chat_template": "{{ messages }}",
     "continue_final_message": True, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
-    "cache_salt": "tenant-a", "request_id": "client-7",
+    "cache_salt": "tenant-a", "request_id": "client-7", "add_special_tokens": True,
 }
 PER_ENDPOINT = {("completions", "logprobs"): 2, ("chat", "logprobs"): True,
                 ("completions", "echo"): True, ("chat", "echo"): True,

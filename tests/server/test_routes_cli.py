@@ -314,9 +314,9 @@ def test_short_prompts_are_tokenized_on_the_event_loop_and_long_ones_off_it(tiny
     seen: list[str] = []
     real = serving.llm.tokenize
 
-    def tokenize(prompt):
+    def tokenize(prompt, **kw):
         seen.append(threading.current_thread().name)
-        return real(prompt)
+        return real(prompt, **kw)
 
     monkeypatch.setattr(serving.llm, "tokenize", tokenize)
     body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0}

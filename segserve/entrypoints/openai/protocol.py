@@ -88,8 +88,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
-    # vLLM 0.32's default: the tokenizer's special tokens (e.g. BOS) added, which is what is done; false
-    # is refused (serving_completion).
+    # vLLM 0.32: a text prompt gets the tokenizer's special tokens (e.g. BOS); token ids are as given.
     add_special_tokens: bool = True
 
 
@@ -140,8 +139,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last message open (it must then be the model's)
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM 0.32's default for chat: no special tokens beyond the template's, which is what is done; true
-    # is refused (serving_chat).
+    # vLLM 0.32: the rendered template gets the tokenizer's special tokens (e.g. BOS) on top when true.
     add_special_tokens: bool = False
 
 

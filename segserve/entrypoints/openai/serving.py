@@ -274,7 +274,8 @@ class OpenAIServing:
                               "continue_final_message")
         try:
             return chat_prompt_ids(self.llm, messages, req.add_generation_prompt, req.chat_template_kwargs,
-                                   tools=tools, continue_final_message=req.continue_final_message)
+                                   tools=tools, continue_final_message=req.continue_final_message,
+                                   add_special_tokens=req.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - template errors come in many types; all are the client's
             message = f"messages could not be rendered with the chat template: {printable(str(exc), 200)}"
             raise bad_request(message, "messages") from None

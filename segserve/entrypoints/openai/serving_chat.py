@@ -44,9 +44,6 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     """
     serving.check_model(req.model)
     check_fields(req, REFUSED_CHAT)
-    if req.add_special_tokens:
-        raise bad_request("add_special_tokens=true is not implemented: the chat template's text is tokenized "
-                          "without adding special tokens (vLLM's default for chat)", "add_special_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     top = req.top_logprobs or 0

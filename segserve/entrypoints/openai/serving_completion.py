@@ -98,7 +98,7 @@ def completion_prompts(serving: OpenAIServing, req: p.CompletionRequest) -> list
     out = []
     for one in prompts:
         try:
-            text, ids = serving.llm.tokenize(one)
+            text, ids = serving.llm.tokenize(one, add_special_tokens=req.add_special_tokens)
         except ValueError as exc:
             raise bad_request(short_error(exc), "prompt") from None
         out.append(_Prompt(text if text is not None else serving.llm.tokenizer.decode(ids), ids))
@@ -115,11 +115,6 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
     check_fields(req, REFUSED_COMPLETION)
     if req.best_of not in (None, req.n):
         raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
-    texts = isinstance(req.prompt, str) or any(isinstance(one, str) for one in req.prompt)
-    if not req.add_special_tokens and texts:  # token ids are taken as given either way (vLLM too)
-        raise bad_request("add_special_tokens=false is not implemented: a text prompt is tokenized with the "
-                          "tokenizer's special tokens (vLLM's default); send token ids to choose them",
-                          "add_special_tokens")
     shape = _CompletionShape(req.echo, req.logprobs, req.echo and req.max_tokens == 0, req.n)
     # max_tokens 0 with echo: generate one token and drop it (vLLM 0.32 does the same).
     max_tokens = 1 if shape.echo_only else req.max_tokens
