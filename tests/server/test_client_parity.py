@@ -4,6 +4,9 @@ against offline ``LLM.generate`` on the same weights, streamed == non-streamed."
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+
 import httpx
 import pytest
 
@@ -290,18 +293,32 @@ def test_bad_new_fields_answer_400_naming_the_field_and_the_server_keeps_serving
     handle.assert_idle_and_clean()
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_request_id_is_refused_by_name_and_the_server_keeps_serving(tiny_server, path):
-    """A new user's trial: vLLM 0.32's ``request_id`` was "not a field this server knows"; client-chosen
-    ids are not implemented, and the refusal says so."""
+def test_request_id_and_the_x_request_id_header_name_the_response(tiny_server):
+    """A new user's trial: vLLM 0.32's ``request_id`` was "not a field this server knows". As in vLLM, the
+    response's ``id`` is ``cmpl-`` / ``chatcmpl-`` and the ``X-Request-Id`` header if sent, else the
+    body's ``request_id``; two requests with one id both run (engine ids stay the server's); an id
+    past 1,024 characters is refused (it would be repeated in every chunk)."""
     handle, _ = tiny_server
-    base = ({"prompt": "hi", "max_tokens": 2} if "chat" not in path
-            else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    r = httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base, "request_id": "abc"})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == "request_id" and "client-chosen request ids are not implemented" in err["message"]
-    assert httpx.post(handle.base_url + path, json={"model": SERVED_NAME, **base}).status_code == 200
+    url = handle.base_url
+    body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, "request_id": "abc"}
+    assert httpx.post(f"{url}/v1/completions", json=body).json()["id"] == "cmpl-abc"
+    header = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "trace-9"})
+    assert header.json()["id"] == "cmpl-trace-9"
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as r:
+        ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line.startswith("data: {")}
+    assert ids == {"cmpl-abc"}
+    chat = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "request_id": "abc"}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat).json()["id"] == "chatcmpl-abc"
+    plain = httpx.post(f"{url}/v1/completions", json={k: v for k, v in body.items() if k != "request_id"})
+    assert plain.json()["id"].startswith("cmpl-") and plain.json()["id"] != "cmpl-abc"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one client id twice at once
+        both = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body | {"max_tokens": 8}),
+                             range(2)))
+    assert [r.status_code for r in both] == [200, 200] and {r.json()["id"] for r in both} == {"cmpl-abc"}
+    long = httpx.post(f"{url}/v1/completions", json=body | {"request_id": "x" * 1025})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "request_id"
+    assert "1025 characters; at most 1024" in long.json()["error"]["message"]
     handle.assert_idle_and_clean()
 
 

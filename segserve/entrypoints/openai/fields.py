@@ -51,12 +51,9 @@ REFUSED_COMMON = {
     "logits_processors": "custom logits processors are not implemented",
     "return_tokens_as_token_ids": "not implemented",
 }
-# vLLM 0.32's request_id (on both routes) names the response and the engine request after the client's id.
-_REQUEST_ID = "client-chosen request ids are not implemented (the response's id is the server's)"
 REFUSED_COMPLETION = {
     "suffix": "insertion (suffix) is not implemented",
     "prompt_embeds": "prompt embeddings are not implemented",
-    "request_id": _REQUEST_ID,
 }
 REFUSED_CHAT = {
     "functions": "deprecated by OpenAI: use tools",
@@ -72,7 +69,6 @@ REFUSED_CHAT = {
     "echo": "echo is a completions field; chat echo is not implemented",
     "documents": "not implemented",
     "mm_processor_kwargs": "the model takes text only",
-    "request_id": _REQUEST_ID,
 }
 
 # Fields of a chat message that segserve does not implement.

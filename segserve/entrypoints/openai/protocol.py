@@ -90,6 +90,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     # vLLM 0.32: a text prompt gets the tokenizer's special tokens (e.g. BOS); token ids are as given.
     add_special_tokens: bool = True
+    request_id: str | None = None  # vLLM 0.32: the response's id is "cmpl-" and this (serving.response_id)
 
 
 class ContentPart(_Lenient):
@@ -141,6 +142,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM 0.32: the rendered template gets the tokenizer's special tokens (e.g. BOS) on top when true.
     add_special_tokens: bool = False
+    request_id: str | None = None  # vLLM 0.32: the response id is "chatcmpl-" and this (response_id)
 
 
 # ---- responses -------------------------------------------------------------------------------------

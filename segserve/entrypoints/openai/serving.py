@@ -191,6 +191,27 @@ def usage_of(outs: list[RequestOutput], generated: bool = True) -> p.UsageInfo:
                         sum(o.num_cached_tokens for o in outs))
 
 
+MAX_REQUEST_ID_CHARS = 1024  # a client's id is repeated in every streamed chunk
+
+
+def response_id(prefix: str, raw: Request, request_id: str | None) -> str | None:
+    """vLLM 0.32's response ``id``: ``prefix-`` and the ``X-Request-Id`` header if sent, else the body's
+    ``request_id``; None when the client gave neither (the first engine request's id is used then).
+    Engine requests keep ids of their own, so two requests with one client id do not collide.
+
+    Raises:
+        ApiError: 400 for an id longer than :data:`MAX_REQUEST_ID_CHARS` (vLLM sets no limit; the id is
+            repeated in every streamed chunk).
+    """
+    header = raw.headers.get("x-request-id")
+    given = header if header is not None else request_id
+    if given is not None and len(given) > MAX_REQUEST_ID_CHARS:
+        where = "the X-Request-Id header" if header is not None else "request_id"
+        raise bad_request(f"{where} has {len(given)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed",
+                          "request_id")
+    return None if given is None else f"{prefix}-{given}"
+
+
 def choice_usage(out: RequestOutput, c, generated: bool = True) -> p.UsageInfo:
     """A streamed chunk's ``continuous_usage_stats``: its choice's prompt and the tokens that choice
     ``c`` (a ``CompletionOutput`` of ``out``) has generated so far, as vLLM 0.32 counts them per choice

@@ -24,6 +24,7 @@ from segserve.entrypoints.openai.serving import (
     guard_stream,
     last_each,
     message_chars,
+    response_id,
     sampling_params,
     sse,
     tokenize_sized,
@@ -66,8 +67,9 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     prompt_ids = await tokenize_sized(chars, serving.chat_prompt_ids, req, messages, plan.tools)
     serving.check_length(len(prompt_ids), max_tokens, "messages")
     field = constraint_field(req, plan.constraint is not None)
+    given_id = response_id("chatcmpl", raw, req.request_id)
     streams = await serving.start_all([prompt_ids], params, "chatcmpl", serving.salt_of(req, raw), field)
-    rid, model = streams[0].request_id, serving.names[0]
+    rid, model = given_id or streams[0].request_id, serving.names[0]
     outputs = until_disconnected(streams, raw, field)
     top_n = top if req.logprobs else None
     if req.stream:

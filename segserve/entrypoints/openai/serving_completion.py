@@ -24,6 +24,7 @@ from segserve.entrypoints.openai.serving import (
     constraint_field,
     guard_stream,
     last_each,
+    response_id,
     sampling_params,
     short_error,
     sse,
@@ -127,8 +128,9 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
         serving.check_length(len(prompt.ids), max_tokens, "prompt")
     field = constraint_field(req)
     salt = serving.salt_of(req, raw)
+    given_id = response_id("cmpl", raw, req.request_id)
     streams = await serving.start_all([x.ids for x in prompts], params, "cmpl", salt, field)
-    rid, model = streams[0].request_id, serving.names[0]
+    rid, model = given_id or streams[0].request_id, serving.names[0]
     outputs = until_disconnected(streams, raw, field)
     if req.stream:
         events = _completion_events(serving, outputs, rid, model, shape, prompts, req)
