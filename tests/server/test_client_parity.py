@@ -356,6 +356,15 @@ def test_add_special_tokens_follows_vllm_on_a_tokenizer_that_adds_bos(tmp_path):
         assert prompt_tokens("/v1/chat/completions", {"messages": messages}) == chat
         with_bos = {"messages": messages, "add_special_tokens": True}
         assert prompt_tokens("/v1/chat/completions", with_bos) == chat + 1
+        # /tokenize counts what the routes send the engine, under the same rule (vLLM's: the rendered
+        # chat encoded with the tokenizer's specials; the template's own BOS text stays).
+        for extra, want in (({}, tok.encode(rendered, add_special_tokens=False)),
+                            ({"add_special_tokens": True}, tok.encode(rendered))):
+            r = httpx.post(handle.base_url + "/tokenize", json={"messages": messages, **extra})
+            assert r.json()["tokens"] == want, extra
+        assert tok.encode(rendered)[:2] == [tok.bos_token_id] * 2  # the template starts with BOS's text
+        r = httpx.post(handle.base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False})
+        assert r.json()["tokens"] == plain
         handle.assert_idle_and_clean()
 
 

@@ -63,13 +63,13 @@ async def tokenize(serving, req: TokenizeRequest) -> TokenizeResponse:
         serving.check_prompt_chars(len(req.prompt), "prompt")
         ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=special)
     else:
+        # The chat route's ids, under its rule (add_special_tokens: the tokenizer's specials on top).
         chat = p.ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message,
-                                       chat_template_kwargs=req.chat_template_kwargs)
+                                       chat_template_kwargs=req.chat_template_kwargs,
+                                       add_special_tokens=bool(req.add_special_tokens))
         tools = template_tools(req.tools) if req.tools else None
         ids = await asyncio.to_thread(serving.chat_prompt_ids, chat, serving.chat_messages(chat), tools)
-        if req.add_special_tokens and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
-            ids = [tok.bos_token_id, *ids]
     strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids, token_strs=strs)
 
