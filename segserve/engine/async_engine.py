@@ -25,6 +25,18 @@ from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("segserve")
+
+# After handing a step's outputs to the event loop(s), the engine thread waits (GIL released) until the
+# loop has run the hand-over and HANDOFF_HOPS more turns, at most HANDOFF_WAIT_S, before the next step.
+# Without it the loop's per-token work (~0.2-0.3 ms of Python: the SSE chunk) ran while the next step's
+# kernels held both cores, preempting one of their threads (docs/perf.md, "Twenty-third session": strace
+# of the two threads). Batch-1 TPOT through the server vs offline, two runs of `python
+# benchmarks/server_tpot.py --rounds 8|10 --server prev@<worktree>= --server now=`: 1.043 / 1.046 ->
+# 1.013 / 1.020, loop wakes a token 5.2 / 4.1 -> 3.0 / 2.0; under `vllm bench serve`'s random workload
+# (48 requests at 1.5 req/s) TTFT and ITL p50 within the runs' spread. The bound keeps a step of many
+# streams from waiting for all of their chunks.
+HANDOFF_WAIT_S = 0.0005
+HANDOFF_HOPS = 2
 T = TypeVar("T")
 
 
@@ -364,8 +376,11 @@ class AsyncLLMEngine:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         # One hand-over per event loop and step, not per stream: each wakes the loop's thread, which
         # then competes with this thread for the GIL and with the kernels' threads for the cores.
+        done = threading.Event() if by_loop and HANDOFF_WAIT_S > 0 else None
         for loop, items in by_loop.items():
-            self._post(loop, items)
+            self._post(loop, items, done)
+        if done is not None:
+            done.wait(HANDOFF_WAIT_S)
         info = StepInfo(outputs, new_tokens, now, self.engine)
         for observer in self.observers:
             observer.on_step(info)
@@ -386,10 +401,11 @@ class AsyncLLMEngine:
             self._post(stream.loop, [(stream, item)])
 
     def _post(self, loop: asyncio.AbstractEventLoop,
-              items: list[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
+              items: list[tuple[OutputStream, RequestOutput | BaseException]],
+              done: threading.Event | None = None) -> None:
         """Queue ``items`` into their streams on ``loop``, in one call from this thread."""
         try:
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_put_all, items, done)
         except RuntimeError:  # the caller's event loop is closed: nobody will read these requests
             for stream, _ in items:
                 self.engine.abort_request(stream.request_id)
@@ -411,7 +427,17 @@ class AsyncLLMEngine:
                 fut.set_exception(error)
 
 
-def _put_all(items: list[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
+def _put_all(items: list[tuple[OutputStream, RequestOutput | BaseException]],
+             done: threading.Event | None = None) -> None:
     """On the streams' event loop: hand each output to its stream."""
     for stream, item in items:
         stream.put(item)
+    if done is not None:
+        asyncio.get_running_loop().call_soon(_set_later, done, HANDOFF_HOPS)
+
+
+def _set_later(done: threading.Event, hops: int) -> None:
+    if hops <= 0:
+        done.set()
+    else:
+        asyncio.get_running_loop().call_soon(_set_later, done, hops - 1)

@@ -161,3 +161,33 @@ def test_the_server_reads_its_streams_with_no_relay_task(tiny_loaded, tiny_offli
         engine.shutdown()
     assert finals == expected
     assert set(tasks_seen) == {2}  # this coroutine's task and the watcher
+
+
+def test_the_hand_over_signals_the_engine_after_the_readers_turn() -> None:
+    """The engine thread waits (bounded) for the loop's hand-over before its next step, so the loop's
+    per-token work does not run inside the kernels (docs/perf.md, "Twenty-third session"). The signal
+    comes after the hand-over and HANDOFF_HOPS more turns of the loop: a reader woken by the hand-over
+    has taken its output by then."""
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        stream = async_engine.OutputStream(_Owner(), "r", loop)
+        got: list[int] = []
+        woken = asyncio.Event()
+        stream.listen(woken.set)
+
+        async def reader() -> None:
+            await woken.wait()
+            got.append(stream.take_nowait().n)
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # the reader waits
+        done = threading.Event()
+        async_engine._put_all([(stream, _Out(1))], done)
+        assert not done.is_set() and got == []  # not before the reader's turn
+        for _ in range(async_engine.HANDOFF_HOPS + 1):
+            await asyncio.sleep(0)
+        assert done.is_set() and got == [1]
+        await task
+
+    asyncio.run(run())
+    assert 0 < async_engine.HANDOFF_WAIT_S <= 0.001  # bounded: a busy loop cannot hold the engine up
