@@ -33,10 +33,13 @@ logger = logging.getLogger("segserve")
 # of the two threads). Batch-1 TPOT through the server vs offline, two runs of `python
 # benchmarks/server_tpot.py --rounds 8|10 --server prev@<worktree>= --server now=`: 1.043 / 1.046 ->
 # 1.013 / 1.020, loop wakes a token 5.2 / 4.1 -> 3.0 / 2.0; under `vllm bench serve`'s random workload
-# (48 requests at 1.5 req/s) TTFT and ITL p50 within the runs' spread. The bound keeps a step of many
-# streams from waiting for all of their chunks.
+# (48 requests at 1.5 req/s) TTFT and ITL p50 within the runs' spread. Only steps that hand over at
+# most HANDOFF_MAX_OUTPUTS outputs wait: with 32 streams the wait took the engine loop's time outside
+# the model from ~3 % to 8.0 % of its steps (vs_vllm.py's server_overhead, s23c), where their kernels'
+# preemption matters less than the wait.
 HANDOFF_WAIT_S = 0.0005
 HANDOFF_HOPS = 2
+HANDOFF_MAX_OUTPUTS = 4
 T = TypeVar("T")
 
 
@@ -376,7 +379,7 @@ class AsyncLLMEngine:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         # One hand-over per event loop and step, not per stream: each wakes the loop's thread, which
         # then competes with this thread for the GIL and with the kernels' threads for the cores.
-        done = threading.Event() if by_loop and HANDOFF_WAIT_S > 0 else None
+        done = threading.Event() if by_loop and len(outputs) <= HANDOFF_MAX_OUTPUTS else None
         for loop, items in by_loop.items():
             self._post(loop, items, done)
         if done is not None:
