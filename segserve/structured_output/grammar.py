@@ -110,17 +110,15 @@ def _refuse_unenforced(schema: Any, where: str = "") -> None:
     newer releases check the same, fail-closed)."""
     if not isinstance(schema, dict):
         return
-    at = where or "(root)"
-    for key in _UNENFORCED:
-        if key in schema:
-            raise ValueError(f"structured_outputs.json uses `{key}` at {at}, which is not enforced by the "
-                             "grammar backend (xgrammar): remove it or state the constraint another way")
-    if schema.get("uniqueItems") is True:
-        raise ValueError(f"structured_outputs.json uses `uniqueItems` at {at}, which is not enforced by the "
-                         "grammar backend (xgrammar): remove it or state the constraint another way")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise ValueError(f"structured_outputs.json uses `allOf` with {len(schema['allOf'])} schemas at {at}, "
-                         "which is not enforced by the grammar backend (xgrammar): merge them into one")
+    used = next((f"`{key}`" for key in _UNENFORCED if key in schema), None)
+    remedy = "remove it or state the constraint another way"
+    if used is None and schema.get("uniqueItems") is True:
+        used = "`uniqueItems`"
+    if used is None and isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        used, remedy = f"`allOf` with {len(schema['allOf'])} schemas", "merge them into one"
+    if used is not None:
+        raise ValueError(f"structured_outputs.json uses {used} at {where or '(root)'}, which is not enforced "
+                         f"by the grammar backend (xgrammar): {remedy}")
     prefix = f"{where}/" if where else ""
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
