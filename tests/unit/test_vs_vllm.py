@@ -133,7 +133,7 @@ def test_summary_line_counts_measured_goals(vs):
 
 
 def test_plan_resumes_and_estimates(vs):
-    args = vs.parse_args(["--dtype", "float32", "--decode-batches", "1,8"])
+    args = vs.parse_args(["--dtype", "float32", "--decode-batches", "1,8", "--sequential"])
     units = vs.plan(args)
     assert [(u.engine, u.group) for u in units] == [
         ("segserve", "offline"), ("vllm", "offline"), ("segserve", "server"), ("vllm", "server")]
@@ -146,6 +146,45 @@ def test_plan_resumes_and_estimates(vs):
     assert 0 < seg < vllm
     only = vs.parse_args(["--only", "stall", "--engines", "segserve", "--dtype", "bfloat16"])
     assert vs.plan(only) == [vs.Unit("segserve", "bfloat16", "server", ("stall",))]
+
+
+def test_offline_group_is_interleaved_by_default(vs):
+    """Both engines selected: one offline unit per dtype runs both drivers side by side; its workloads
+    are left out on resume only when both engines hold all their results."""
+    args = vs.parse_args(["--dtype", "bfloat16", "--decode-batches", "1,8"])
+    units = vs.plan(args)
+    assert [(u.engine, u.group) for u in units] == [
+        ("segserve+vllm", "offline"), ("segserve", "server"), ("vllm", "server")]
+    assert units[0].workloads == ("prefill", "offline", "decode")
+    done = {"segserve": {"bfloat16": {"prefill": {}, "offline": {}, "decode_b1": {}, "decode_b8": {}}},
+            "vllm": {"bfloat16": {"prefill": {}, "offline": {}, "decode_b1": {}}}}
+    assert vs.plan(args, done)[0] == vs.Unit("segserve+vllm", "bfloat16", "offline", ("decode",))
+    seg = vs.estimate_s(vs.Unit("segserve", "bfloat16", "offline", units[0].workloads), args)
+    assert vs.estimate_s(units[0], args) == 2 * seg - vs.SEGSERVE_START_S + vs.VLLM_START_S
+    one = vs.parse_args(["--dtype", "bfloat16", "--engines", "segserve"])
+    assert vs.plan(one)[0] == vs.Unit("segserve", "bfloat16", "offline", ("prefill", "offline", "decode"))
+
+
+def test_interleaved_pieces_merge_back_into_the_drivers_results(vs):
+    """A prefill workload splits into its repeats and a batch workload into its sets; merged, they give
+    the medians the driver gives the whole workload; a decode workload stays whole."""
+    prefill = {"kind": "prefill", "prompts": {"4": [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]}}
+    pieces = vs.split_workload(prefill)
+    assert [p["prompts"] for p in pieces] == [{"4": [[1, 2, 3, 4]]}, {"4": [[5, 6, 7, 8]]},
+                                              {"4": [[9, 10, 11, 12]]}]
+    parts = [{"4": {"prompt_tokens": 4, "seconds": [t], "tok_s": 4 / t}} for t in (0.5, 0.2, 0.4)]
+    assert vs.merge_parts(prefill, parts) == {"4": {"prompt_tokens": 4, "seconds": [0.5, 0.2, 0.4],
+                                                    "tok_s": 10.0}}
+    batch = {"kind": "batch", "output_len": 2, "sets": [[[1, 2]], [[3, 4]], [[5, 6]]]}
+    assert [p["sets"] for p in vs.split_workload(batch)] == [[[[1, 2]]], [[[3, 4]]], [[[5, 6]]]]
+    parts = [{"requests": 1, "prompt_tokens": 2, "output_tokens": 2, "seconds": t, "seconds_each": [t],
+              "output_tok_s": 2 / t, "total_tok_s": 4 / t, "first_tokens": [7, 8]} for t in (4.0, 1.0, 2.0)]
+    merged = vs.merge_parts(batch, parts)
+    assert merged["seconds_each"] == [4.0, 1.0, 2.0] and merged["seconds"] == 2.0
+    assert (merged["output_tok_s"], merged["total_tok_s"], merged["first_tokens"]) == (1.0, 2.0, [7, 8])
+    decode = {"kind": "decode", "output_len": 4, "sets": [[[1]], [[2]], [[3]]]}
+    assert vs.split_workload(decode) == [decode]
+    assert vs.merge_parts(decode, [{"decode_tok_s": 9.0}]) == {"decode_tok_s": 9.0}
 
 
 def test_vllm_alias_is_readable_metadata(vs, tmp_path):
@@ -238,3 +277,26 @@ def test_vllm_preloads_tcmalloc_then_intel_openmp(vs, monkeypatch, tmp_path):
     env = vs.vllm_env(vs.parse_args(["--vllm-venv", str(tmp_path)]))
     assert env["LD_PRELOAD"] == f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{iomp}"
     assert "LD_PRELOAD" not in vs.engine_env("segserve", vs.parse_args(["--vllm-venv", str(tmp_path)]))
+
+
+def test_a_turn_waits_until_the_other_engine_is_quiet(vs):
+    """vLLM's worker kept a core busy ~1 s after each request: the next turn waits for it, and does
+    not wait for an idle process."""
+    import subprocess
+    import time
+
+    busy = subprocess.Popen([sys.executable, "-c",
+                             "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass\n"
+                             "time.sleep(30)"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.1)
+        waited = vs.wait_idle(busy.pid)
+        assert 0.6 <= waited < vs.IDLE_MAX_S
+        time.sleep(0.5)  # the idle one's interpreter start-up is over
+        assert vs.wait_idle(idle.pid) <= 2 * vs.IDLE_WINDOW_S
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
