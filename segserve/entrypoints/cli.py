@@ -17,9 +17,11 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "segserve.bench.cli",
 )
 
+# Questions the 135M default model answers mostly right (2026-12-05, greedy): it copied the license's
+# header for "what does it say about patents?" and got section 6 (trademarks) backwards.
 DEFAULT_QUESTIONS = (
-    "What does this license say about patents? Answer in two or three sentences.",
-    "If I redistribute the software, what must I include? Answer briefly.",
+    "Who wrote this license, and which version is it?",
+    "Can I use software under this license in a commercial product?",
 )
 
 
