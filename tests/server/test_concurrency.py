@@ -247,6 +247,10 @@ def test_a_chat_stream_sends_no_empty_role_chunk_for_a_choice_still_in_prefill()
            for c in chunks]
     assert got == [(0, "assistant", "a", None), (0, None, "b", None), (1, "assistant", "x", None),
                    (0, None, None, "length"), (1, None, "y", "length")]
+    # A delta carries only what it sets, as vLLM (``exclude_unset``) and OpenAI send it: no
+    # ``"role": null`` or ``"tool_calls": null`` in every chunk (a new user's trial, 2026-12-05).
+    assert [c["delta"] for c in chunks] == [{"role": "assistant", "content": "a"}, {"content": "b"},
+                                            {"role": "assistant", "content": "x"}, {}, {"content": "y"}]
 
 
 def test_chat_text_parts_reach_the_template_joined_by_newlines(tiny_server):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from segserve.entrypoints.openai.fields import LogitsFields
 from segserve.entrypoints.openai.strict import StrictRequest, StrictSampling
@@ -239,9 +239,17 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A streamed chunk's change to the message: only the fields it sets are sent (``{"content": "!"}``,
+    the role with a choice's first chunk, ``{}`` for a chunk that only finishes), as vLLM (which dumps
+    chunks with ``exclude_unset``) and OpenAI send them."""
+
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
