@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from segserve.config import (
@@ -229,6 +230,56 @@ class EngineArgs:
                 "--max-num-batched-tokens auto; give a number here"
             )
         return cls(**given)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default, unless its help already states it or there is none to state
+    (argparse's own formatter printed "(default: Apache-2.0) (default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def check_cli_args(args: argparse.Namespace) -> None:
+    """The engine flags of a parsed command line checked before any model work (a step profile, a
+    calibration, the model load): ``EngineArgs.check`` with ``auto`` budgets standing in as numbers,
+    and a ``--model`` path that must exist. Messages name the flags (``--block-size``), not the fields.
+
+    Raises:
+        ValueError: a setting out of range (the config classes' message, flags named), or a model path
+            that does not exist.
+    """
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and not Path(model).exists():
+        raise ValueError(f"{model}: no such file or directory (expected a .gguf file or a local Hugging Face "
+                         "model directory; nothing is downloaded)")
+    given = argparse.Namespace(**vars(args))
+    if given.max_num_batched_tokens == "auto":  # sized later from the step profile; any count checks the rest
+        given.max_num_batched_tokens = SchedulerConfig.max_num_batched_tokens
+    if given.attention_cost_tokens in ("auto", None):  # serve's: from the settled budget
+        given.attention_cost_tokens = 0
+    try:
+        EngineArgs.from_cli_args(given).check()
+    except ValueError as exc:
+        raise ValueError(flags_named(str(exc))) from None
+
+
+# Config fields whose name is not their flag's with dashes.
+_FIELD_FLAGS = {"policy": "--scheduling-policy"}
+
+
+def flags_named(message: str) -> str:
+    """``message`` (a config error) with each engine setting's field name replaced by its flag:
+    ``block_size must be ...`` -> ``--block-size must be ...``."""
+    import re
+
+    names = {name: "--" + name.replace("_", "-") for name, _ in _FLAGS} | _FIELD_FLAGS
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+                         + r")(?=[ =])")
+    return pattern.sub(lambda m: names[m.group(1)], message)
 
 
 def human_int(text: str) -> int:

@@ -156,8 +156,8 @@ class LLM:
             chat_template_kwargs: extra template variables.
 
         Raises:
-            ValueError: a content part that is not text, both ``add_generation_prompt`` and
-                ``continue_final_message``, an unsupported content format, or no chat template.
+            ValueError: no conversation, a content part that is not text, both ``add_generation_prompt``
+                and ``continue_final_message``, an unsupported content format, or no chat template.
         """
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not "
@@ -166,6 +166,9 @@ class LLM:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False (the last "
                              "message is continued, not answered)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("no messages given: chat() takes a conversation (a list of {'role', 'content'} "
+                             "dicts) or a list of them")
         tokenizer = self.llm_engine.tokenizer
         prompts = []
         for c in conversations:  # RequestOutput.prompt is the rendered text, as vLLM's

@@ -8,7 +8,7 @@ import sys
 import time
 from importlib import resources
 
-from segserve.engine_args import EngineArgs
+from segserve.engine_args import DefaultsHelpFormatter, EngineArgs, check_cli_args
 
 # Each module defines ``register(subparsers)`` adding its subcommand; imports stay light (no torch).
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate",
         help="answer questions about a document (or plain prompts), streaming",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     EngineArgs.add_cli_args(gen)
     gen.add_argument(
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=run_generate)
     for module in SUBCOMMAND_MODULES:
         importlib.import_module(module).register(sub)
+    for subparser in sub.choices.values():  # its errors print its own usage line
+        subparser.set_defaults(subparser=subparser)
     return parser
 
 
@@ -58,10 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 # that is accepted does what it says). ``LLM()`` takes the GPU ones as keywords and logs that they do
 # nothing on the CPU, as vLLM's CPU build does.
 VLLM_ONLY_FLAGS = {
-    **dict.fromkeys(("--gpu-memory-utilization", "--enforce-eager", "--tensor-parallel-size",
-                     "--pipeline-parallel-size", "--data-parallel-size", "--swap-space", "--cuda-graph-sizes",
-                     "--max-seq-len-to-capture", "--disable-custom-all-reduce"),
-                    "a vLLM GPU setting (on the CPU the KV cache is sized by --kv-cache-memory-bytes)"),
+    "--gpu-memory-utilization":
+        "a vLLM GPU setting (on the CPU the KV cache is sized by --kv-cache-memory-bytes)",
+    **dict.fromkeys(("--enforce-eager", "--cuda-graph-sizes", "--max-seq-len-to-capture"),
+                    "a vLLM GPU setting (CUDA graphs; segserve's CPU kernels run as they are)"),
+    **dict.fromkeys(("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
+                     "--disable-custom-all-reduce"),
+                    "a vLLM multi-GPU setting (segserve runs one engine a process; "
+                    "--num-replicas scales out)"),
+    "--swap-space":
+        "a vLLM setting for swapping the GPU's KV cache out (segserve's is already in CPU memory)",
     "--trust-remote-code": "segserve runs its own Llama code only, never a checkpoint's",
     "--enable-chunked-prefill": "segserve always chunks prefills (--max-num-batched-tokens: their budget)",
     "--disable-log-requests": "segserve logs no requests (--log-interval sets the stats line)",
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        parser.error(_unknown_flags_message(unknown))
+        args.subparser.error(_unknown_flags_message(unknown))
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:
@@ -111,6 +119,7 @@ def run_generate(args: argparse.Namespace) -> int:
     conversations = _messages(args)  # read the document before the model loads: fail fast
     # The sampling flags too are checked before the model loads.
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    check_cli_args(args)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     print(f"[segserve] loaded in {time.perf_counter() - t0:.1f} s: {engine.describe()}", flush=True)
     for i, messages in enumerate(conversations):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from segserve.engine_args import EngineArgs
+from segserve.engine_args import DefaultsHelpFormatter, EngineArgs, check_cli_args
 from segserve.entrypoints.openai.limits import DEFAULT_GRACE_S, DEFAULT_MAX_BODY_BYTES
 from segserve.entrypoints.ray_serve import settings as scale_out
 from segserve.simulator import budget
@@ -31,7 +31,8 @@ def default_served_names(file_name: str, model_arg: str | None) -> list[str]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
-    srv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)")
+    srv = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/...)",
+                                formatter_class=DefaultsHelpFormatter)
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                      help="GGUF file or HF directory, as vLLM's `serve MODEL` (same as --model)")
     EngineArgs.add_cli_args(srv)
@@ -187,11 +188,13 @@ def off_the_main_thread(fn: Callable[..., T], *fn_args: Any) -> T:
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
     """``serve MODEL`` and ``--model`` name the same thing; both given and different is an error.
-    ``--dtype auto`` becomes the checkpoint's dtype here, so the step profile is looked up for it."""
+    The engine flags and the model path are checked here (``engine_args.check_cli_args``), and ``--dtype
+    auto`` becomes the checkpoint's dtype, so the step profile is looked up for it."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    check_cli_args(args)  # before the step profile and the model: a bad flag fails in a second
     if args.dtype == "auto":
         from segserve.engine.llm_engine import auto_dtype
 

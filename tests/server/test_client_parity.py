@@ -101,6 +101,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt_only(tiny_server, tiny_offline
                                                                       ref.prompt_token_ids[1:], strict=True)]
     assert all(len(top) == 1 for top in c.logprobs.top_logprobs[1:])
     assert r.usage.completion_tokens == 0
+    # Without echo, 0 is refused, and the message says where 0 is allowed (a new user's trial: it read
+    # only "max_tokens must be an int >= 1, got 0").
+    bad = httpx.post(f"{handle.base_url}/v1/completions",
+                     json={"model": SERVED_NAME, "prompt": PROMPTS[0], "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert "max_tokens must be >= 1 without echo, got 0" in bad.json()["error"]["message"]
 
 
 def test_token_id_prompts_with_n_give_prompt_major_choice_order(tiny_server, tiny_offline):

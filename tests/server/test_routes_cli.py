@@ -121,19 +121,22 @@ def _serve_args(argv: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *argv, "--max-num-batched-tokens", "256"])
 
 
-def test_serve_takes_the_model_positionally_and_vllm_flags():
+def test_serve_takes_the_model_positionally_and_vllm_flags(tmp_path):
     from segserve.engine_args import EngineArgs
     from segserve.entrypoints.serve import resolve_model_arg
 
-    args = _serve_args(["/models/x", "--dtype", "auto", "--api-key", "k",
+    x, y = tmp_path / "x", tmp_path / "y"  # the model paths must exist (checked before any model work)
+    x.mkdir()
+    y.mkdir()
+    args = _serve_args([str(x), "--dtype", "auto", "--api-key", "k",
                         "--kv-cache-memory-bytes", "2Gi"])
     resolve_model_arg(args)
-    assert args.model == "/models/x" and args.api_key == "k"
+    assert args.model == str(x) and args.api_key == "k"
     assert args.dtype == "float32"  # auto: no config.json there, so float32 (as for a GGUF file)
     assert EngineArgs.from_cli_args(args).kv_cache_memory_bytes == 2 * 2**30
-    args = _serve_args(["--model", "/models/y", "--kv-cache-memory-bytes", "1500000000"])
+    args = _serve_args(["--model", str(y), "--kv-cache-memory-bytes", "1500000000"])
     resolve_model_arg(args)
-    assert args.model == "/models/y"
+    assert args.model == str(y)
     assert EngineArgs.from_cli_args(args).kv_cache_memory_bytes == 1_500_000_000
     # vLLM's human_readable_int: upper-case suffixes are binary, lower-case decimal.
     three = EngineArgs.from_cli_args(_serve_args(["--kv-cache-memory-bytes", "3G"]))
@@ -147,10 +150,10 @@ def test_serve_takes_the_model_positionally_and_vllm_flags():
         _serve_args(["--kv-cache-memory-bytes", "lots"])
 
 
-def test_a_port_in_use_is_refused_before_any_model_work():
+def test_a_port_in_use_is_refused_before_any_model_work(tmp_path):
     """A new user's trial: ``serve --port P`` with P taken loaded the model (3-8 s), then said only
     "[Errno 98] Address already in use". The socket is now bound first (as vLLM does), and the error
-    names the host and port: here before the (nonexistent) model is even looked at."""
+    names the host and port: here before the (empty, so unloadable) model directory is read."""
     import socket
 
     from segserve.entrypoints.serve import run_serve
@@ -159,7 +162,7 @@ def test_a_port_in_use_is_refused_before_any_model_work():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        args = _serve_args(["/models/none.gguf", "--host", "127.0.0.1", "--port", str(port)])
+        args = _serve_args([str(tmp_path), "--host", "127.0.0.1", "--port", str(port)])
         with pytest.raises(OSError, match=rf"--host 127.0.0.1 --port {port}: address already in use"):
             run_serve(args)
 

@@ -308,6 +308,9 @@ def test_offline_chat_takes_the_servers_message_shapes_and_vllms_keywords(tiny):
     opened = llm.chat([{"role": "user", "content": "the"}, {"role": "assistant", "content": "cat sat"}], sp,
                       use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     assert tok.decode(opened.prompt_token_ids).endswith("cat sat")  # no end of turn after it
+    # No conversation at all: named as messages, not prompts (a new user's trial, 2026-12-05).
+    with pytest.raises(ValueError, match=r"^no messages given: chat\(\) takes a conversation"):
+        llm.chat([], sp, use_tqdm=False)
     # chat_template_kwargs win over the keywords (vLLM merges them last); a second trial's TypeError.
     unopened = llm.chat(turns, sp, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0]
     assert unopened.prompt_token_ids == llm.chat(turns, sp, use_tqdm=False,

@@ -116,6 +116,9 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
     check_fields(req, REFUSED_COMPLETION)
     if req.best_of not in (None, req.n):
         raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 without echo, got 0 (with echo, 0 returns the prompt "
+                          "alone, scored under logprobs)", "max_tokens")
     shape = _CompletionShape(req.echo, req.logprobs, req.echo and req.max_tokens == 0, req.n)
     # max_tokens 0 with echo: generate one token and drop it (vLLM 0.32 does the same).
     max_tokens = 1 if shape.echo_only else req.max_tokens
