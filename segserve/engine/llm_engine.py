@@ -230,14 +230,20 @@ class LLMEngine:
         """Queue a request (``n`` completions). Returns its id.
 
         Raises:
-            ValueError: empty prompt, token id (or ``top_k``) outside the vocabulary, prompt longer than
-                ``max_model_len`` or the KV cache, duplicate id. Nothing is queued then.
+            ValueError: empty prompt, token id (or ``top_k``) outside the vocabulary, a prompt that leaves
+                no room for one output token within ``max_model_len`` (vLLM's rule; the scheduler's own
+                check, used by the simulator and the seed's examples, takes a prompt of exactly
+                ``max_model_len``), one longer than the KV cache holds, duplicate id. Nothing is queued
+                then.
         """
         params = self._check_token_fields(sampling_params or SamplingParams())
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self.tokenize(prompt)
+        if len(prompt_ids) >= self.max_model_len:  # vLLM 0.32's rule (its input processor): room for 1 token
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; with at least 1 output token that is "
+                             f"more than max_model_len={self.max_model_len}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
         taken = [cid for cid in child_ids if cid != request_id and self._holds(cid)]

@@ -36,10 +36,13 @@ def reference_output(eng: LLMEngine, prompt) -> list[int]:
         ("", "prompt is empty"),
         ([], "prompt is empty"),
         ([1, 2, 49152], r"prompt token id 49152 is outside the vocabulary \[0, 49152\)"),
-        ([5] * 1025, "prompt has 1025 tokens, more than max_model_len=1024"),
+        ([5] * 1025, "prompt has 1025 tokens; with at least 1 output token that is more than "
+                     "max_model_len=1024"),
+        ([5] * 1024, "prompt has 1024 tokens; with at least 1 output token that is more than "
+                     "max_model_len=1024"),
         ({"text": "hi"}, "needs 'prompt' or 'prompt_token_ids'"),
     ],
-    ids=["empty-str", "empty-ids", "bad-id", "too-long", "bad-dict"],
+    ids=["empty-str", "empty-ids", "bad-id", "too-long", "no-room", "bad-dict"],
 )
 def test_bad_prompt_is_refused_and_the_engine_keeps_serving(eng, prompt, message):
     eng.add_request("good", "Hello, my name is", GREEDY)

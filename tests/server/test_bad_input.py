@@ -20,7 +20,7 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 20  # > 128 tokens of t
 CASES = [
     (CMPL, {**GOOD, "prompt": ""}, 400, "prompt", "empty"),
     (CMPL, {**GOOD, "prompt": []}, 400, "prompt", "empty"),
-    (CMPL, {**GOOD, "max_tokens": 0}, 400, "max_tokens", ">= 1, got 0"),
+    (CMPL, {**GOOD, "max_tokens": 0}, 400, "max_tokens", ">= 1 without echo, got 0"),
     (CMPL, {**GOOD, "max_tokens": -5}, 400, "max_tokens", "got -5"),
     (CHAT, {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 0}, 400, "max_tokens", "got 0"),
     (CMPL, {**GOOD, "temperature": -0.5}, 400, "temperature", "temperature must be in [0, 2], got -0.5"),

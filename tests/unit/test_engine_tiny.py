@@ -327,3 +327,18 @@ def test_offline_chat_takes_the_servers_message_shapes_and_vllms_keywords(tiny):
     with pytest.raises(ValueError, match="chat_template_content_format='openai' is not supported"):
         llm.chat([{"role": "user", "content": "a"}], sp, chat_template_content_format="openai")
     assert llm.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_a_prompt_must_leave_room_for_one_output_token_offline_too(tiny):
+    """vLLM 0.32's input processor refuses a prompt of exactly max_model_len tokens; offline segserve ran
+    it and returned a token past the limit (a new user's trial, 2026-12-05: the server refused it)."""
+    _, root = tiny
+    llm = LLM(model=str(root / "hf"), num_kv_blocks=64, max_model_len=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"^prompt has 128 tokens; with at least 1 output token that is more "
+                                         r"than max_model_len=128$"):
+        llm.generate({"prompt_token_ids": [5] * 128}, sp, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [5] * 127}, sp, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    assert not llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.check_integrity()
