@@ -1116,9 +1116,10 @@ def run_offline_interleaved(unit: Unit, args: argparse.Namespace, record: dict) 
             if drivers[engine].info:
                 record["engines"][engine][f"offline_config_{unit.dtype}"] = drivers[engine].info
         out: dict[str, dict[str, dict]] = {e: {} for e in ENGINES}
-        turn, waited = 0, []
+        turn = 0
         for key, spec in specs.items():
             got: dict[str, list[dict]] = {e: [] for e in ENGINES}
+            waited: list[float] = []
             for piece in split_workload(spec):
                 for engine in (ENGINES if turn % 2 == 0 else ENGINES[::-1]):
                     for other in ENGINES:
@@ -1128,8 +1129,8 @@ def run_offline_interleaved(unit: Unit, args: argparse.Namespace, record: dict) 
                 turn += 1
             for engine in ENGINES:
                 out[engine][key] = merge_parts(spec, got[engine]) | {"interleaved": True}
-            print(f"driver pair {unit.dtype} {key}: done (waits for the other engine to go quiet: "
-                  f"{max(waited):.2f} s at most)", flush=True)
+            print(f"driver pair {unit.dtype} {key}: done (its turns waited up to {max(waited):.2f} s for the "
+                  "other engine to go quiet)", flush=True)
     finally:
         for d in drivers.values():
             d.close()
