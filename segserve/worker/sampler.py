@@ -1,10 +1,16 @@
 """Token sampling for one engine step: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Randomness uses the exponential-race form of the Gumbel-max trick: with ``q_v ~ Exp(1)`` drawn
-independently per token, ``argmax_v p_v / q_v`` is distributed as ``p`` (the minimum of independent
-exponentials with rates ``p_v`` is attained at ``v`` with probability ``p_v``). vLLM samples the same
-way. A seeded row draws its ``q`` from a generator seeded by ``(seed, output_index)`` alone, so its
-token does not depend on the batch it sits in, its row, how the prompt was chunked, or preemption.
+A sampled row takes one uniform ``u`` in [0, 1) and returns the first token whose running sum of kept
+probabilities, in index order, exceeds ``u`` (inverse transform sampling; llama.cpp draws the same way
+through ``std::discrete_distribution``). One uniform a row, where the exponential race vLLM uses on GPUs
+(``argmax p / q`` with ``q ~ Exp(1)`` per token) needs a vocabulary of them: drawing 49,152 uniforms cost
+~100 us a row here, more than the rest of the draw. A seeded row's ``u`` comes from ``(seed,
+output_index)`` alone, so its token does not depend on the batch it sits in, its row, how the prompt was
+chunked, or preemption; unseeded rows draw theirs from the engine's generator.
+
+The filters and the draw run in the compiled kernel (``segserve.kernels.sample``: a few vector passes a
+row, no sort) where the kernels are on, else here in PyTorch; both keep the same tokens and, given the
+same ``u``, draw the same one (up to the rounding of sums at a boundary between two tokens).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from segserve.kernels import sample as sample_kernel
 from segserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -75,12 +82,59 @@ def sample(
     """
     n = _check_batch(logits, params, seeds, output_indices)
     logits = logits.float()
-    if all(p.greedy for p in params):
+    drawn_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not drawn_rows:
         token_ids = greedy_ids(logits)  # (N,) -- no softmax, no sort
     else:
-        token_ids = _sample_mixed(logits, params, seeds, output_indices, generator)
+        token_ids = [0] * n
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if greedy_rows:
+            for i, tok in zip(greedy_rows, greedy_ids(logits[greedy_rows]), strict=True):
+                token_ids[i] = tok
+        sub = logits if len(drawn_rows) == n else logits[drawn_rows]  # (R, V)
+        u = uniforms([seeds[i] for i in drawn_rows], [output_indices[i] for i in drawn_rows], generator)
+        drawn = draw(sub, [params[i] for i in drawn_rows], u)
+        for i, tok in zip(drawn_rows, drawn, strict=True):
+            token_ids[i] = tok
     source = logits if logprob_logits is None else logprob_logits.float()
     return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(source, params, token_ids, n))
+
+
+def uniforms(seeds: list[int | None], output_indices: list[int], generator: torch.Generator | None
+             ) -> torch.Tensor:
+    """(R,) float64 uniforms in [0, 1), one a sampled row: a seeded row's from ``mix_seed(seed, index)``
+    (its top 53 bits), the others from ``generator`` (torch's default generator when None)."""
+    u = torch.empty(len(seeds), dtype=torch.float64)  # (R,)
+    unseeded = [i for i, s in enumerate(seeds) if s is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=generator)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            u[i] = (mix_seed(seed, output_indices[i]) >> 11) * 2.0**-53
+    return u
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+    """One token per row of ``(R, V)`` float32 logits with its sampling parameters (temperature > 0)
+    and uniform ``u[r]`` (``(R,)`` float64): the filters of :func:`_filtered_probs`, then inverse
+    transform sampling in index order. The compiled kernel when the kernels are on, else PyTorch."""
+    if sample_kernel.enabled():
+        return sample_kernel.sample_rows(
+            logits if logits.stride(1) == 1 else logits.contiguous(), [p.temperature for p in params],
+            [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params], u)
+    probs = _filtered_probs(logits, params).double()  # (R, V)
+    cdf = probs.cumsum(dim=-1)  # (R, V)
+    total = cdf[:, -1:]  # (R, 1)
+    picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1)  # (R,) first cdf > u Z
+    out = []
+    for r, tok in enumerate(picked.tolist()):
+        if not float(total[r]) > 0.0:  # nothing kept (every logit -inf or NaN): argmax's answer
+            out.append(greedy_ids(logits[r:r + 1])[0])
+        elif tok >= probs.shape[1] or probs[r, tok] <= 0.0:  # u Z rounded up to Z: the last kept token
+            out.append(int(probs[r].nonzero()[-1]))
+        else:
+            out.append(tok)
+    return out
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int]:
@@ -144,25 +198,6 @@ def _check_batch(
     return n
 
 
-def _sample_mixed(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    seeds: list[int | None],
-    output_indices: list[int],
-    generator: torch.Generator | None,
-) -> list[int]:
-    """Greedy rows by argmax, the others by the exponential race on filtered probabilities."""
-    token_ids = logits.argmax(dim=-1).tolist()  # (N,) -- kept for the greedy rows
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    probs = _filtered_probs(logits[rows], [params[i] for i in rows])  # (R, V)
-    row_seeds = [seeds[i] for i in rows]
-    q = _exponential_noise(probs.shape, row_seeds, [output_indices[i] for i in rows], generator)  # (R, V)
-    drawn = (probs / q).argmax(dim=-1).tolist()  # (R,)
-    for i, tok in zip(rows, drawn, strict=True):
-        token_ids[i] = tok
-    return token_ids
-
-
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k on logits, softmax, then top-p and min-p on the probabilities.
 
@@ -172,7 +207,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
     Returns:
         (R, V) probabilities with filtered-out tokens at exactly 0 (not renormalized after top-p and
-        min-p; the exponential race does not need it).
+        min-p; the draw does not need it).
     """
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)  # (R, 1)
     scaled = logits / temps  # (R, V)
@@ -234,27 +269,6 @@ def _apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> None:
     scale = torch.tensor([min_ps[i] for i in rows], dtype=probs.dtype).unsqueeze(1)  # (Rm, 1)
     threshold = sub.amax(dim=-1, keepdim=True) * scale  # (Rm, 1)
     probs[rows] = sub.masked_fill(sub < threshold, 0.0)
-
-
-def _exponential_noise(
-    shape: torch.Size,
-    seeds: list[int | None],
-    output_indices: list[int],
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """(R, V) Exp(1) noise: seeded rows from their own (seed, index) stream, others from ``generator``.
-
-    Drawn as ``-log(U)``: ``Tensor.exponential_`` is ~7x slower than ``uniform_`` plus a log on CPU.
-    """
-    u = torch.empty(shape)  # (R, V)
-    unseeded = [i for i, s in enumerate(seeds) if s is None]
-    if unseeded:
-        u[unseeded] = torch.empty(len(unseeded), shape[1]).uniform_(generator=generator)
-    for i, seed in enumerate(seeds):
-        if seed is not None:
-            u[i].uniform_(generator=torch.Generator().manual_seed(mix_seed(seed, output_indices[i])))
-    # uniform_ can return 0: clamping keeps q finite; q > 0 always, so filtered tokens stay at 0 / q = 0.
-    return u.clamp_min_(torch.finfo(u.dtype).tiny).log_().neg_()
 
 
 def _row_logprobs(

@@ -18,6 +18,7 @@ from segserve.kernels import chunk_attention as chunk_kernels
 from segserve.kernels import cpu as cpu_kernels
 from segserve.kernels import f32gemm as f32gemm_kernels
 from segserve.kernels import quant as quant_kernels
+from segserve.kernels import sample as sample_kernels
 
 CPU_READY = all(flag in build._cpu_flags() for flag in build.REQUIRED_CPU_FLAGS)
 ERR_LAYOUT = -5
@@ -39,10 +40,11 @@ MIRRORS = {
     "sg_f32gemm_args": f32gemm_kernels._GemmArgs,
     "sg_bf16gemm_args": bf16gemm._GemmArgs,
     "sg_bf16gemm_peak_args": bf16gemm._PeakArgs,
+    "sg_sample_args": sample_kernels._SampleArgs,
 }
 # Every entry point's argument struct, whichever wrapper module mirrors it.
 ENTRY_POINTS = {**cpu_kernels._ARGS, **amx._ARGS, **chunk_kernels._ARGS, **quant_kernels._ARGS,
-                **f32gemm_kernels._ARGS, **bf16gemm._ARGS}
+                **f32gemm_kernels._ARGS, **bf16gemm._ARGS, **sample_kernels._ARGS}
 C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
 needs_cpu = pytest.mark.skipif(not CPU_READY, reason="CPU lacks AVX-512F / AVX-512 BF16")
 
@@ -105,6 +107,7 @@ def test_a_struct_of_another_size_is_refused_by_the_library(name: str) -> None:
     assert quant_kernels._library() is lib  # and sg_qdequant's (untyped: ctypes would pass it by value)
     assert f32gemm_kernels._library() is lib  # and sg_f32gemm's
     assert bf16gemm._library() is lib  # and sg_bf16gemm's
+    assert sample_kernels._library() is lib  # and sg_sample's
     for size in (0, cls.SIZE - 8, cls.SIZE + 8):
         args = cls(size=size)
         # One head of dim 16: were the size not checked, the shape checks would answer (-1 or 0)

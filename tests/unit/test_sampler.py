@@ -1,8 +1,11 @@
-"""Sampler: greedy fast path, filters, seeded determinism, distribution and logprobs."""
+"""Sampler: greedy fast path, filters, seeded determinism, distribution and logprobs; each test runs
+through the compiled draw (where the kernels build) and through the PyTorch one."""
 
 import pytest
 import torch
 
+from segserve.kernels import cpu as cpu_kernels
+from segserve.kernels import sample as sample_kernels
 from segserve.sampling_params import SamplingParams
 from segserve.worker.sampler import (
     TOP_P_CANDIDATES,
@@ -15,6 +18,18 @@ from segserve.worker.sampler import (
 
 torch.set_num_threads(2)
 VOCAB = 1000
+
+
+@pytest.fixture(autouse=True, params=["kernel", "pytorch"])
+def draw_path(request):
+    """Each test once with the compiled sampler and once with the kernels switched off."""
+    if request.param == "kernel":
+        if not sample_kernels.enabled():
+            pytest.skip(f"compiled kernels off: {cpu_kernels.unavailable_reason()}")
+        yield request.param
+    else:
+        with cpu_kernels.disabled():
+            yield request.param
 
 
 def _logits(n: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
