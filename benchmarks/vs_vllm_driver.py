@@ -10,7 +10,9 @@ Input (``--spec``, JSON): ``{"model": HF dir, "dtype": ..., "engine_kwargs": {..
 "workloads": {name: {"kind": "prefill" | "batch" | "decode", ...}}}`` where every prompt is a list of
 token ids. Output (``--out``, JSON): ``{name: result}``, rewritten after each workload, plus
 ``_engine`` (version and the configuration the engine reports). Every request is greedy with
-``ignore_eos``, so both engines compute exactly the tokens asked for.
+``ignore_eos``, so both engines compute exactly the tokens asked for, unless a workload gives
+``"sampling"``: ``SamplingParams`` fields both engines share (``temperature``, ``top_p``, ``top_k``,
+``min_p``), still with ``ignore_eos``.
 
 - ``prefill``: ``{"prompts": {label: [ids of each repeat]}}``: each prompt alone with ``max_tokens=1``;
   the wall time of ``generate`` is the offline time to first token; tok/s = prompt tokens / median time.
@@ -61,9 +63,11 @@ def make_engine(engine: str, spec: dict) -> tuple[Any, Any, dict]:
                                           "describe": describe, "kwargs": kwargs}
 
 
-def timed(llm: Any, sp_cls: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
-    """Seconds of one ``generate`` call over ``prompts`` (greedy, ``ignore_eos``), and its outputs."""
-    params = sp_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def timed(llm: Any, sp_cls: Any, prompts: list[list[int]], max_tokens: int, sampling: dict | None = None
+          ) -> tuple[float, list]:
+    """Seconds of one ``generate`` call over ``prompts`` (greedy unless ``sampling`` says otherwise,
+    ``ignore_eos``), and its outputs."""
+    params = sp_cls(**({"temperature": 0.0} | (sampling or {})), max_tokens=max_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": list(p)} for p in prompts]
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
@@ -88,7 +92,7 @@ def run_batch(llm: Any, sp_cls: Any, w: dict) -> dict:
     """Each of ``sets`` generated as one batch, in turn; rates from the median time (the sets hold the
     same token counts), each set's seconds kept."""
     sets = w["sets"]
-    runs = [timed(llm, sp_cls, prompts, w["output_len"]) for prompts in sets]
+    runs = [timed(llm, sp_cls, prompts, w["output_len"], w.get("sampling")) for prompts in sets]
     seconds = statistics.median(t for t, _ in runs)
     outs = runs[0][1]
     prompt_tokens = sum(len(p) for p in sets[0])

@@ -23,6 +23,8 @@ def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
     workloads = {
         "prefill": {"kind": "prefill", "prompts": {"40": [_ids(40, 1), _ids(40, 2)]}},
         "offline": {"kind": "batch", "output_len": 4, "sets": [[_ids(10, 3), _ids(20, 4), _ids(30, 5)]]},
+        "sampled": {"kind": "batch", "output_len": 4, "sets": [[_ids(10, 3), _ids(20, 4), _ids(30, 5)]],
+                    "sampling": {"temperature": 5.0, "top_k": 50}},
         "offline_sets": {"kind": "batch", "output_len": 4,
                          "sets": [[_ids(10, 3 + 10 * r), _ids(20, 4 + 10 * r)] for r in range(3)]},
         "decode_b2": {"kind": "decode", "output_len": 6,
@@ -43,6 +45,9 @@ def test_segserve_driver_runs_every_kind(tiny_model_dir, tmp_path):
     off = out["offline"]
     assert (off["requests"], off["prompt_tokens"], off["output_tokens"]) == (3, 60, 12)
     assert off["total_tok_s"] > off["output_tok_s"] > 0 and len(off["first_tokens"]) == 4
+    sampled = out["sampled"]  # the same prompts drawn at a high temperature: other tokens, the same counts
+    assert (sampled["requests"], sampled["output_tokens"]) == (3, 12)
+    assert sampled["first_tokens"] != off["first_tokens"]
     sets = out["offline_sets"]  # one batch per set; rates from the median time, counts from one set
     assert (sets["requests"], sets["prompt_tokens"], sets["output_tokens"]) == (2, 30, 8)
     assert len(sets["seconds_each"]) == 3 and sets["seconds"] == sorted(sets["seconds_each"])[1]

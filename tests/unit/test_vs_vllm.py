@@ -234,6 +234,21 @@ def test_offline_repeat_zero_is_the_one_batch_run(vs):
     assert len(one) == 1 and len(three) == 3 and three[0] == one[0] and len(one[0]) == 64
 
 
+def test_offline_sampling_goes_into_the_offline_spec_and_bad_fields_are_refused(vs, capsys):
+    args = vs.parse_args(["--offline-sampling", "temperature=0.8,top_p=0.95,top_k=40"])
+    assert args.offline_sampling == {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
+    spec = vs.offline_specs(args, ("offline",))["offline"]
+    assert spec["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
+    assert "sampling" not in vs.offline_specs(vs.parse_args([]), ("offline",))["offline"]
+    for bad, message in (("temp=1", "unknown field 'temp' (fields: temperature, top_p, top_k, min_p)"),
+                         ("top_k=0.5", "top_k='0.5' is not a whole number"),
+                         ("temperature=0", "temperature must be > 0 to sample, got 0.0")):
+        with pytest.raises(SystemExit) as exc:
+            vs.parse_args(["--offline-sampling", bad])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_offline_repeats_below_one_is_refused(vs, capsys):
     with pytest.raises(SystemExit) as exc:
         vs.parse_args(["--offline-repeats", "0"])
