@@ -2,9 +2,10 @@
 per step and end to end.
 
 ``race`` is that replaced path, kept here as the baseline: the PyTorch filters (``_filtered_probs``),
-then the exponential race ``argmax p / q`` with one ``q ~ Exp(1)`` per token (``-log`` of a
-vocabulary of uniforms). ``pytorch`` is today's PyTorch path (the same filters, then inverse transform
-sampling: CPUs without the kernels), ``compiled`` the kernel. Part 1 times ``sample()`` on random
+then the exponential race ``argmax p / q`` with one ``q ~ Exp(1)`` per token drawn by torch's generator
+(``-log`` of a vocabulary of ``uniform_``). ``pytorch`` is today's PyTorch path (the same filters and
+race, the noise hashed from the row's key with numpy: CPUs without the kernels), ``compiled`` the
+kernel. Part 1 times ``sample()`` on random
 logits of the default model's vocabulary (49,152) at each ``--batches`` size and each setting, the
 paths alternating call by call (median of ``--reps``). Part 2 (unless ``--no-e2e``): ``LLM.generate``
 of ``--e2e-batch`` prompts of ``--prompt-len`` random tokens to ``--output-len`` tokens with each
@@ -42,16 +43,16 @@ SETTINGS = {
 }
 
 
-def race_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
-    """The replaced sampler's draw (``u`` unused: it drew a uniform per token instead)."""
+def race_draw(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor) -> list[int]:
+    """The replaced sampler's draw (``keys`` unused: it drew its noise from torch's generator)."""
     probs = sampler._filtered_probs(logits, params)  # (R, V)
     q = torch.empty_like(probs).uniform_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
     return (probs / q).argmax(dim=-1).tolist()
 
 
-def pytorch_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+def pytorch_draw(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor) -> list[int]:
     with cpu_kernels.disabled():
-        return compiled_draw(logits, params, u)
+        return compiled_draw(logits, params, keys)
 
 
 compiled_draw = sampler.draw

@@ -1,6 +1,7 @@
 """PyTorch-facing wrapper of the compiled sampler (``csrc/segserve_sample.c``): temperature, top-k,
-top-p and min-p over each row of float32 logits, then one draw by inverse transform sampling, in a
-few vector passes a row instead of the eager path's softmax, per-token noise and sort.
+top-p and min-p over each row of float32 logits, then one draw by an exponential race whose per-token
+noise is a hash of the row's key and the token id, in a few vector passes a row instead of the PyTorch
+path's softmax, random generator and sort.
 
 Whether to use it is the caller's choice (``segserve.worker.sampler``, when :func:`enabled`); it is on
 whenever the compiled kernels are (``SEGSERVE_CPU_KERNELS``).
@@ -17,7 +18,7 @@ from segserve.kernels import cpu as cpu_kernels
 _P = ctypes.c_void_p
 _L = ctypes.c_int64
 
-_ERRORS = {-1: "unsupported shape, temperature or uniform", -2: "out of memory",
+_ERRORS = {-1: "unsupported shape or a temperature <= 0", -2: "out of memory",
            -5: "argument struct of another size (the library and sample.py disagree on its layout)"}
 
 
@@ -27,7 +28,7 @@ class _SampleArgs(ctypes.Structure):
 
     _fields_ = [
         ("size", _L), ("n", _L), ("V", _L), ("logits", _P), ("ld", _L), ("temperature", _P), ("top_k", _P),
-        ("top_p", _P), ("min_p", _P), ("u", _P), ("out", _P), ("kept", _P),
+        ("top_p", _P), ("min_p", _P), ("key", _P), ("out", _P), ("kept", _P),
     ]
 
 
@@ -50,7 +51,7 @@ def sample_rows(
     top_k: list[int],
     top_p: list[float],
     min_p: list[float],
-    u: torch.Tensor,
+    key: torch.Tensor,
     kept: torch.Tensor | None = None,
 ) -> list[int]:
     """One token per row of ``(R, V)`` float32 logits (rows may be strided, columns contiguous).
@@ -58,14 +59,15 @@ def sample_rows(
     Per row: logits below the top-k-th largest go (ties stay; ``top_k`` 0 or >= V is off); weights
     ``exp((l - max) / T)``; tokens outside the top-p nucleus go (a token stays when the mass before it
     in descending order is below ``top_p``, vLLM's rule; 1 is off); tokens whose probability is below
-    ``min_p`` times the top one go (0 is off); then the first token whose running sum of kept weights,
-    in index order, exceeds ``u`` times their total (inverse transform sampling). A row with nothing
-    kept (every logit -inf or NaN) gives its first maximal logit, as ``argmax`` does.
+    ``min_p`` times the top one go (0 is off); then the kept token with the largest ``w / E``, ``E =
+    -log U`` and ``U`` the hash of (``key``, token id) of ``segserve.worker.sampler.race_noise`` (the
+    exponential race: token i wins with probability ``w_i / sum w``). A row with a NaN logit, or with
+    nothing kept (every logit -inf), gives ``argmax``'s answer (the first NaN, else the first maximum).
 
     Args:
         logits: (R, V) float32 CPU logits.
         temperature, top_k, top_p, min_p: R values each; temperatures > 0 (greedy rows are argmax).
-        u: (R,) float64 uniforms in [0, 1): the row's randomness.
+        key: (R,) int64: each row's noise key (its randomness).
         kept: optional (R, V) float32 contiguous output of each row's kept weights (0 where filtered;
             unnormalized, the top token's weight 1), for tests.
 
@@ -74,7 +76,7 @@ def sample_rows(
 
     Raises:
         ValueError: on a dtype, shape or stride the kernel does not take, or list lengths other than R.
-        RuntimeError: the kernel refused (a temperature <= 0 or a uniform outside [0, 1)).
+        RuntimeError: the kernel refused (a temperature <= 0).
     """
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
         raise ValueError(f"logits must be a (R, V) float32 CPU tensor, got {logits.dtype} "
@@ -87,8 +89,8 @@ def sample_rows(
     for name, values in lists.items():
         if len(values) != r:
             raise ValueError(f"{name} has {len(values)} values for {r} rows")
-    if u.dtype != torch.float64 or u.shape != (r,) or not u.is_contiguous():
-        raise ValueError(f"u must be ({r},) contiguous float64, got {u.dtype} {tuple(u.shape)}")
+    if key.dtype != torch.int64 or key.shape != (r,) or not key.is_contiguous():
+        raise ValueError(f"key must be ({r},) contiguous int64, got {key.dtype} {tuple(key.shape)}")
     if kept is not None and (kept.dtype != torch.float32 or kept.shape != (r, v) or not kept.is_contiguous()):
         raise ValueError(f"kept must be ({r}, {v}) contiguous float32, got {kept.dtype} {tuple(kept.shape)}")
     temps = torch.tensor(temperature, dtype=torch.float32)
@@ -99,7 +101,7 @@ def sample_rows(
     rc = _library().sg_sample(_SampleArgs(
         size=_SampleArgs.SIZE, n=r, V=v, logits=logits.data_ptr(), ld=logits.stride(0),
         temperature=temps.data_ptr(), top_k=ks.data_ptr(), top_p=ps.data_ptr(), min_p=mins.data_ptr(),
-        u=u.data_ptr(), out=out.data_ptr(), kept=None if kept is None else kept.data_ptr(),
+        key=key.data_ptr(), out=out.data_ptr(), kept=None if kept is None else kept.data_ptr(),
     ))
     if rc:
         raise RuntimeError(f"sg_sample failed: {_ERRORS.get(rc, rc)}")

@@ -1,22 +1,25 @@
 """Token sampling for one engine step: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-A sampled row takes one uniform ``u`` in [0, 1) and returns the first token whose running sum of kept
-probabilities, in index order, exceeds ``u`` (inverse transform sampling; llama.cpp draws the same way
-through ``std::discrete_distribution``). One uniform a row, where the exponential race vLLM uses on GPUs
-(``argmax p / q`` with ``q ~ Exp(1)`` per token) needs a vocabulary of them: drawing 49,152 uniforms cost
-~100 us a row here, more than the rest of the draw. A seeded row's ``u`` comes from ``(seed,
-output_index)`` alone, so its token does not depend on the batch it sits in, its row, how the prompt was
-chunked, or preemption; unseeded rows draw theirs from the engine's generator.
+Randomness is the exponential race, a form of the Gumbel-max trick: with ``q_v ~ Exp(1)`` independent
+per token, ``argmax_v p_v / q_v`` is distributed as ``p`` (the least of independent exponentials of rates
+``p_v`` falls on ``v`` with probability ``p_v``). vLLM samples the same way. The noise is not drawn from a
+generator but hashed: ``q_v = -log U(key, v)`` (:func:`race_noise`), so each token's noise depends on the
+row's 64-bit key and its id alone. A seeded row's key comes from ``(seed, output_index)``, so its token
+does not depend on the batch it sits in, its row, how the prompt was chunked, or preemption; and since
+every token has noise of its own, logits that move by a rounding error (the same request in another
+batch shape) change the token only where two tokens nearly tie. Unseeded rows take their keys from the
+engine's generator.
 
-The filters and the draw run in the compiled kernel (``segserve.kernels.sample``: a few vector passes a
-row, no sort) where the kernels are on, else here in PyTorch; both keep the same tokens and, given the
-same ``u``, draw the same one (up to the rounding of sums at a boundary between two tokens).
+The filters and the race run in the compiled kernel (``segserve.kernels.sample``: a few vector passes a
+row, no sort) where the kernels are on, else here in PyTorch and numpy; both keep the same tokens and
+hash the same noise, so they draw the same token but where two nearly tie.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from segserve.kernels import sample as sample_kernel
@@ -92,49 +95,69 @@ def sample(
             for i, tok in zip(greedy_rows, greedy_ids(logits[greedy_rows]), strict=True):
                 token_ids[i] = tok
         sub = logits if len(drawn_rows) == n else logits[drawn_rows]  # (R, V)
-        u = uniforms([seeds[i] for i in drawn_rows], [output_indices[i] for i in drawn_rows], generator)
-        drawn = draw(sub, [params[i] for i in drawn_rows], u)
+        keys = noise_keys([seeds[i] for i in drawn_rows], [output_indices[i] for i in drawn_rows], generator)
+        drawn = draw(sub, [params[i] for i in drawn_rows], keys)
         for i, tok in zip(drawn_rows, drawn, strict=True):
             token_ids[i] = tok
     source = logits if logprob_logits is None else logprob_logits.float()
     return SamplerOutput(token_ids=token_ids, logprobs=_row_logprobs(source, params, token_ids, n))
 
 
-def uniforms(seeds: list[int | None], output_indices: list[int], generator: torch.Generator | None
-             ) -> torch.Tensor:
-    """(R,) float64 uniforms in [0, 1), one a sampled row: a seeded row's from ``mix_seed(seed, index)``
-    (its top 53 bits), the others from ``generator`` (torch's default generator when None)."""
-    u = torch.empty(len(seeds), dtype=torch.float64)  # (R,)
+def noise_keys(seeds: list[int | None], output_indices: list[int], generator: torch.Generator | None
+               ) -> torch.Tensor:
+    """(R,) int64 noise keys, one a sampled row: a seeded row's is ``mix_seed(seed, index)`` (as a signed
+    64-bit value), the others come from ``generator`` (torch's default generator when None)."""
+    keys = torch.empty(len(seeds), dtype=torch.int64)  # (R,)
     unseeded = [i for i, s in enumerate(seeds) if s is None]
     if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=generator)
+        keys[unseeded] = torch.randint(-2**63, 2**63 - 1, (len(unseeded),), dtype=torch.int64,
+                                       generator=generator)
     for i, seed in enumerate(seeds):
         if seed is not None:
-            u[i] = (mix_seed(seed, output_indices[i]) >> 11) * 2.0**-53
-    return u
+            key = mix_seed(seed, output_indices[i])
+            keys[i] = key - 2**64 if key >= 2**63 else key
+    return keys
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """Wellons' "lowbias32" integer mixer on uint32 arrays (wrapping arithmetic)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(R, V) float32 ``Exp(1)`` noise of the race: ``-log U`` with ``U = ((x >> 9) + 0.5) / 2**23`` and
+    ``x = mix32(mix32(v ^ k0) + k1)`` for token ``v`` and the key's low and high 32 bits ``k0, k1``
+    (``csrc/segserve_sample.c`` computes the same bits)."""
+    k = keys.numpy().astype(np.uint64)  # (R,), two's complement
+    k0 = (k & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]  # (R, 1)
+    k1 = (k >> np.uint64(32)).astype(np.uint32)[:, None]  # (R, 1)
+    x = _mix32(np.arange(vocab, dtype=np.uint32)[None, :] ^ k0)  # (R, V)
+    x = _mix32(x + k1)
+    u = (x >> np.uint32(9)).astype(np.float32) * np.float32(2.0**-23) + np.float32(2.0**-24)
+    return torch.from_numpy(-np.log(u))
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor) -> list[int]:
     """One token per row of ``(R, V)`` float32 logits with its sampling parameters (temperature > 0)
-    and uniform ``u[r]`` (``(R,)`` float64): the filters of :func:`_filtered_probs`, then inverse
-    transform sampling in index order. The compiled kernel when the kernels are on, else PyTorch."""
+    and noise key ``keys[r]`` (``(R,)`` int64): the filters of :func:`_filtered_probs`, then the race
+    ``argmax p / race_noise`` (lowest id on ties). A row with a NaN logit, or with nothing kept (every
+    logit -inf), gives ``argmax``'s answer (the first NaN, else the first maximum). The compiled kernel
+    when the kernels are on, else PyTorch."""
     if sample_kernel.enabled():
         return sample_kernel.sample_rows(
             logits if logits.stride(1) == 1 else logits.contiguous(), [p.temperature for p in params],
-            [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params], u)
-    probs = _filtered_probs(logits, params).double()  # (R, V)
-    cdf = probs.cumsum(dim=-1)  # (R, V)
-    total = cdf[:, -1:]  # (R, 1)
-    picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1)  # (R,) first cdf > u Z
-    out = []
-    for r, tok in enumerate(picked.tolist()):
-        if not float(total[r]) > 0.0:  # nothing kept (every logit -inf or NaN): argmax's answer
-            out.append(greedy_ids(logits[r:r + 1])[0])
-        elif tok >= probs.shape[1] or probs[r, tok] <= 0.0:  # u Z rounded up to Z: the last kept token
-            out.append(int(probs[r].nonzero()[-1]))
-        else:
-            out.append(tok)
-    return out
+            [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params], keys)
+    probs = _filtered_probs(logits, params)  # (R, V)
+    drawn = (probs / race_noise(keys, probs.shape[1])).nan_to_num_(nan=-1.0).argmax(dim=-1).tolist()
+    empty = (~(probs > 0).any(dim=-1)).nonzero().squeeze(1).tolist()  # nothing kept: argmax's answer
+    for r in empty:
+        drawn[r] = greedy_ids(logits[r:r + 1])[0]
+    return drawn
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int]:

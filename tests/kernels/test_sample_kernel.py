@@ -1,10 +1,10 @@
 """The compiled sampler (csrc/segserve_sample.c) against the PyTorch path of segserve/worker/sampler.py.
 
 Oracle: the PyTorch filters (``_filtered_probs``, themselves checked against a full-sort reference in
-tests/unit/test_sampler.py) and inverse transform sampling over their float64 cumulative sums. The kept
-token sets must be equal; given the same uniform both must draw the same token: the two sums differ only
-by rounding (~1e-16 relative), so a uniform that lands between their two boundaries has a chance of
-~1e-13 a draw, and the draws here are fixed by seeds.
+tests/unit/test_sampler.py) and the race over ``race_noise``'s hashed exponentials. The kept token sets
+must be equal, and given the same key both must draw the same token: the two differ only in rounding
+(the kernel's weights are the softmax unnormalized, its log a polynomial within ~1 ulp), which can move
+a draw only where two tokens' p / q tie to ~1e-7, and the draws here are fixed by seeds.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from segserve.kernels import build
 from segserve.kernels import cpu as cpu_kernels
 from segserve.kernels import sample as sample_kernels
 from segserve.sampling_params import SamplingParams
-from segserve.worker.sampler import _filtered_probs, draw
+from segserve.worker.sampler import _filtered_probs, draw, race_noise
 
 pytestmark = pytest.mark.skipif(not all(f in build._cpu_flags() for f in build.REQUIRED_CPU_FLAGS),
                                 reason="CPU lacks AVX-512F / AVX-512 BF16")
@@ -32,15 +32,19 @@ PARAMS = [
 ]
 
 
-def _kernel(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor,
+def _kernel(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
             kept: torch.Tensor | None = None) -> list[int]:
     return sample_kernels.sample_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                      [p.top_p for p in params], [p.min_p for p in params], u, kept)
+                                      [p.top_p for p in params], [p.min_p for p in params], keys, kept)
 
 
-def _torch_draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+def _torch_draw(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor) -> list[int]:
     with cpu_kernels.disabled():
-        return draw(logits, params, u)
+        return draw(logits, params, keys)
+
+
+def _keys(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-2**63, 2**63 - 1, (n,), dtype=torch.int64, generator=gen)
 
 
 def _rows(vocab: int, seed: int) -> torch.Tensor:
@@ -56,8 +60,8 @@ def test_kernel_keeps_and_draws_what_the_pytorch_path_does(vocab: int) -> None:
     kept = torch.empty_like(logits)
     gen = torch.Generator().manual_seed(1)
     for _ in range(40):
-        u = torch.rand(len(PARAMS), dtype=torch.float64, generator=gen)
-        assert _kernel(logits, PARAMS, u, kept) == _torch_draw(logits, PARAMS, u)
+        keys = _keys(len(PARAMS), gen)
+        assert _kernel(logits, PARAMS, keys, kept) == _torch_draw(logits, PARAMS, keys)
     reference = _filtered_probs(logits, PARAMS)
     assert torch.equal(kept > 0, reference > 0)
     # Unnormalized weights: the top token's is 1, the others its probability ratio to the top one.
@@ -66,40 +70,45 @@ def test_kernel_keeps_and_draws_what_the_pytorch_path_does(vocab: int) -> None:
     assert kept[0].count_nonzero() == vocab  # no filter: nothing dropped
 
 
-def test_draws_walk_every_block_and_strided_rows_read_the_same() -> None:
-    """u spread over [0, 1) on a flat row lands in each 1,024-token block; a row view of a wider tensor
-    (stride > V) draws as its contiguous copy does."""
+def test_the_kernels_noise_is_race_noise_and_strided_rows_read_the_same() -> None:
+    """On a flat row every weight is 1, so the winner is the token of least noise: the kernel must hash
+    exactly what ``race_noise`` computes (ties in the 23-bit uniforms go to the lowest id in both). A row
+    view of a wider tensor (stride > V) draws as its contiguous copy does."""
     vocab = 5000
     wide = torch.zeros(3, vocab + 37)
     rows = wide[:, :vocab]
     params = [SamplingParams(temperature=1.0)] * 3
-    for j in range(20):
-        u = torch.tensor([j / 20, (j + 0.5) / 20, 0.999999], dtype=torch.float64)
-        got = _kernel(rows, params, u)
-        assert got == _kernel(rows.contiguous(), params, u)
-        # a uniform row: token floor(u V), up to the float sum's rounding at a boundary
-        assert [abs(t - int(x * vocab)) <= 1 for t, x in zip(got, u.tolist(), strict=True)] == [True] * 3
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        keys = _keys(3, gen)
+        got = _kernel(rows, params, keys)
+        assert got == _kernel(rows.contiguous(), params, keys)
+        assert got == race_noise(keys, vocab).argmin(dim=-1).tolist()
+    assert race_noise(torch.tensor([0, -1, 2**62]), 7).shape == (3, 7)
 
 
 def test_masked_logits_are_never_drawn() -> None:
-    logits = torch.full((4, 100), float("-inf"))
-    logits[0, 37] = 0.0  # one allowed token: every u gives it
+    logits = torch.full((5, 100), float("-inf"))
+    logits[0, 37] = 0.0  # one allowed token: every key gives it
     logits[1, ::2] = 1.0  # the even tokens allowed
-    logits[2, 5] = float("nan")  # a NaN and -inf everywhere else: nothing kept, argmax's rule (index 0)
+    logits[2, 5] = float("nan")  # a NaN and -inf everywhere else: nothing kept, argmax's answer (the NaN)
     logits[3, 9] = float("inf")  # +inf wins outright, as argmax would
-    params = [SamplingParams(temperature=1.0)] * 4
-    for u0 in (0.0, 0.5, 1.0 - 2.0**-53):
-        u = torch.full((4,), u0, dtype=torch.float64)
-        got = _kernel(logits, params, u)
-        assert got[0] == 37 and got[1] % 2 == 0 and got[2:] == [0, 9]
-        assert _torch_draw(logits[:2], params[:2], u[:2])[0] == 37
+    logits[4] = 0.0
+    logits[4, 60] = float("nan")  # a NaN among finite logits: argmax's answer too, in both paths
+    params = [SamplingParams(temperature=1.0)] * 5
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        keys = _keys(5, gen)
+        got = _kernel(logits, params, keys)
+        assert got[0] == 37 and got[1] % 2 == 0 and got[2:] == [5, 9, 60]
+        assert _torch_draw(logits, params, keys) == got
 
 
 def test_ties_at_the_top_k_floor_stay_and_top_p_ties_go_in_index_order() -> None:
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0], [0.0] * 6])
     kept = torch.empty_like(logits)
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5)]
-    _kernel(logits, params, torch.zeros(2, dtype=torch.float64), kept)
+    _kernel(logits, params, torch.zeros(2, dtype=torch.int64), kept)
     # top-2 keeps 3.0 and every 2.0 (ties at the k-th stay); a uniform top-p 0.5 over 6 keeps the first
     # three: the mass before each is 0, 1/6, 2/6 < 1/2, then 3/6 is not below it.
     assert (kept > 0).tolist() == [[True, False, True, True, True, False], [True] * 3 + [False] * 3]
@@ -109,8 +118,8 @@ def test_empirical_distribution_of_a_filtered_row() -> None:
     n = 20_000
     base = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
     params = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
-    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    got = _kernel(base.expand(n, 6).contiguous(), [params] * n, u)
+    keys = _keys(n, torch.Generator().manual_seed(5))
+    got = _kernel(base.expand(n, 6).contiguous(), [params] * n, keys)
     freq = torch.bincount(torch.tensor(got), minlength=6).double() / n
     expected = _filtered_probs(base.unsqueeze(0), [params])[0].double()
     expected /= expected.sum()
@@ -119,24 +128,14 @@ def test_empirical_distribution_of_a_filtered_row() -> None:
     assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("temperature", 0.0, "temperature or uniform"),
-    ("u", 1.0, "temperature or uniform"),
-    ("u", -0.1, "temperature or uniform"),
-])
-def test_the_kernel_refuses_a_zero_temperature_or_a_uniform_outside_0_1(field, value, message) -> None:
-    logits = torch.zeros(2, 8)
-    temps, u = [1.0, 1.0], torch.tensor([0.5, 0.5], dtype=torch.float64)
-    if field == "temperature":
-        temps[1] = value
-    else:
-        u[1] = value
-    with pytest.raises(RuntimeError, match=message):
-        sample_kernels.sample_rows(logits, temps, [0, 0], [1.0, 1.0], [0.0, 0.0], u)
+def test_the_kernel_refuses_a_temperature_of_zero() -> None:
+    with pytest.raises(RuntimeError, match="a temperature <= 0"):
+        sample_kernels.sample_rows(torch.zeros(2, 8), [1.0, 0.0], [0, 0], [1.0, 1.0], [0.0, 0.0],
+                                   torch.zeros(2, dtype=torch.int64))
 
 
 def test_the_wrapper_names_a_bad_argument() -> None:
-    u = torch.zeros(2, dtype=torch.float64)
+    u = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="float32"):
         sample_kernels.sample_rows(torch.zeros(2, 8, dtype=torch.bfloat16), [1.0] * 2, [0] * 2, [1.0] * 2,
                                    [0.0] * 2, u)
@@ -144,6 +143,6 @@ def test_the_wrapper_names_a_bad_argument() -> None:
         sample_kernels.sample_rows(torch.zeros(8, 2).t(), [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, u)
     with pytest.raises(ValueError, match="top_p has 1 values for 2 rows"):
         sample_kernels.sample_rows(torch.zeros(2, 8), [1.0] * 2, [0] * 2, [1.0], [0.0] * 2, u)
-    with pytest.raises(ValueError, match=r"u must be \(2,\) contiguous float64"):
+    with pytest.raises(ValueError, match=r"key must be \(2,\) contiguous int64"):
         sample_kernels.sample_rows(torch.zeros(2, 8), [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2,
                                    torch.zeros(2))

@@ -82,6 +82,8 @@ RANGE_CASES = [
     ({"top_k": -2}, "top_k", "got -2"),
     ({"temperature": 1e308}, "temperature", "temperature must be in [0, 2], got 1e+308"),
     ({"temperature": 2.5}, "temperature", "temperature must be in [0, 2], got 2.5"),
+    # the value as sent, not rounded to 6 digits ("got 2": a new user's trial, session 25)
+    ({"temperature": 2.0000001}, "temperature", "temperature must be in [0, 2], got 2.0000001"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "stream_options can only be set when stream is true"),
     ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "only be set when"),

@@ -265,3 +265,28 @@ def test_greedy_ids_take_torch_argmax_rule_on_ties_nan_and_every_dtype() -> None
     wide = torch.randn(3, 49152)
     assert greedy_ids(wide[:, ::2]) == wide[:, ::2].argmax(dim=-1).tolist()  # strided rows
     assert greedy_ids(wide) == wide.argmax(dim=-1).tolist()
+
+
+def test_a_seeded_draw_survives_logit_noise_of_the_batch_shape() -> None:
+    """The same request's float32 logits differ by ~1e-3 between batch shapes (another GEMM path; the
+    helper's trial of session 25 measured log-probabilities 2e-3 apart). A seeded token must not follow
+    that noise: with one exponential per token a draw flips only when two tokens' p / q nearly tie. An
+    inverse-CDF draw in vocabulary order flipped 9 of 12 seeded generations (regression)."""
+    vocab = 49_152
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(1, vocab, generator=gen) * 3.0  # a long tail: most draws land in it
+    params = SamplingParams(temperature=1.0)
+    flipped = 0
+    for i in range(200):
+        noisy = logits + 1e-3 * torch.randn(1, vocab, generator=gen)
+        flipped += _one(logits[0], params, 99, i) != _one(noisy[0], params, 99, i)
+    assert flipped <= 4, flipped
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 1e-46, 5e-324])
+def test_a_top_p_below_float32_keeps_the_top_token_as_vllm(top_p: float) -> None:
+    """top_p in (0, 1] that rounds to 0 in float32 (1e-46) still keeps the most likely token, as any tiny
+    top_p does (vLLM: at least one token stays); it was taken as no filter (regression)."""
+    logits = _logits(1, seed=4)[0] * 0.1  # flat: an unfiltered draw rarely hits the top token
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    assert {_one(logits, params, 5, i) for i in range(30)} == {int(logits.argmax())}

@@ -70,7 +70,8 @@ class StrictSampling(StrictRequest):
     @classmethod
     def _temperature_in_range(cls, v: float | None) -> float | None:
         if v is not None and not 0 <= v <= MAX_TEMPERATURE:  # one message for both ends
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {v:g}")
+            shown = repr(v).removesuffix(".0")  # the value as sent (3 for 3.0), never rounded
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {shown}")
         return v
 
     @field_validator("seed", check_fields=False)

@@ -1,29 +1,34 @@
 /* Token sampling over float32 logits in a few passes of each row, without sorting the vocabulary:
  *
- *   sg_sample   per row: temperature, top-k, top-p, min-p, then one draw by inverse transform sampling.
+ *   sg_sample   per row: temperature, top-k, top-p, min-p, then one draw by an exponential race.
  *
- * Why: the PyTorch sampler it replaced (an exponential race: softmax, a uniform per token, a top-k and
- * often a sort for top-p) spent ~250 us a row at temperature 1 and ~3.7 ms a row with top-p 0.9 on a
- * 49,152-token vocabulary: 13 and 130 ms for a 64-row decode step whose model work is ~40 ms (Zen 5, 2
- * threads; docs/perf.md, twenty-fifth session).
+ * Why: the PyTorch sampler it replaced (softmax, a torch uniform_ per token, a top-k and often a sort for
+ * top-p) spent ~250 us a row at temperature 1 and ~3.7 ms a row with top-p 0.9 on a 49,152-token
+ * vocabulary: 13 and 130 ms for a 64-row decode step whose model work is ~40 ms (Zen 5, 2 threads;
+ * docs/perf.md, twenty-fifth session).
  *
- * Per row (V logits l, temperature T, k, p, min_p, one uniform u in [0, 1)):
- *   1. m = max l (NaN never wins). Top-k (0 < k < V): the k-th largest logit by a three-level radix
- *      select (11, 11, 10 bits of an order-preserving key); logits >= it stay (ties at it stay, as the
- *      eager path keeps them).
- *   2. w_i = exp((l_i - m) / T) for the kept logits, else 0 (-inf and NaN logits give 0 exactly: a
- *      masked token is never drawn). w is the softmax unnormalized: its largest entry is exactly 1.
+ * Per row (V logits l, temperature T, k, p, min_p, a 64-bit noise key):
+ *   1. m = max l (a row with a NaN logit returns argmax's answer, that NaN). Top-k (0 < k < V): the
+ *      k-th largest logit by a three-level radix select (11, 11, 10 bits of an order-preserving key);
+ *      logits >= it stay (ties at it stay, as the PyTorch path keeps them).
+ *   2. w_i = exp((l_i - m) / T) for the kept logits, else 0 (-inf logits give 0 exactly: a masked
+ *      token is never drawn). w is the softmax unnormalized: its largest entry is exactly 1.
  *   3. Top-p (p < 1): with Z = sum w, a token stays when the mass of the tokens before it in descending
  *      order is below p Z (vLLM's rule); found by the same radix select with the w as weights (double
  *      sums), which gives the crossing value w*; tokens above it stay, tokens equal to it stay in index
  *      order while the mass before them is below p Z (a stable sort's order).
  *   4. Min-p: a token stays when w_i >= min_p (min_p times the top probability, which is w = 1).
- *   5. The draw: the first token whose running sum of kept w (index order, double) exceeds u times their
- *      total; sums of 1,024-token blocks find the block, a walk of it the token. A row with nothing kept
- *      (every logit -inf or NaN) returns its first maximal logit, as argmax does.
- * Inverse transform sampling needs one uniform a row where an exponential race draws one per token.
- * segserve/worker/sampler.py's PyTorch path (CPUs without the kernels) filters and draws the same way
- * from the same u.
+ *   5. The draw: argmax_i w_i / E_i over the kept tokens, E_i = -log U_i ~ Exp(1) (the exponential race,
+ *      a form of the Gumbel-max trick: the least of independent exponentials of rates w_i falls on i
+ *      with probability w_i / sum w). U_i is a hash of (key, i): two rounds of a 32-bit integer mixer
+ *      (Wellons' "lowbias32") keyed by the key's halves, its top 23 bits as ((x >> 9) + 0.5) / 2^23
+ *      (exact in float32: never 0 or 1).
+ *      Each token's noise depends on the key and its id alone, so logits that move by a rounding error
+ *      (another batch shape) change the winner only where two tokens nearly tie; an inverse-CDF draw in
+ *      index order, tried first, moved with the running sum's error and flipped 23 of 200 seeded draws
+ *      under noise of 1e-3 (tests/unit/test_sampler.py). Ties go to the lowest id; a row with nothing
+ *      kept (every logit -inf) returns argmax's answer, its first token.
+ * segserve/worker/sampler.py's PyTorch path (CPUs without the kernels) filters and hashes the same way.
  *
  * Rows go to OpenMP threads (PyTorch's pool) when there are several; a row uses a scratch buffer of its
  * thread (kept between calls). Returns SM_OK, SM_ERR_LAYOUT, SM_ERR_SHAPE or SM_ERR_NOMEM.
@@ -41,7 +46,6 @@
 #endif
 
 enum { SM_OK = 0, SM_ERR_SHAPE = -1, SM_ERR_NOMEM = -2, SM_ERR_LAYOUT = -5 };
-#define SM_BLOCK 1024 /* tokens per partial sum of the draw's walk */
 #define SM_EXP_MIN -87.3f /* below this sg_exp512 clamps; such weights are taken as 0 */
 
 typedef struct {
@@ -54,17 +58,17 @@ typedef struct {
     const int32_t *top_k;      /* (n,) 0 or >= V: off */
     const float *top_p;        /* (n,) in (0, 1]; 1: off */
     const float *min_p;        /* (n,) in [0, 1]; 0: off */
-    const double *u;           /* (n,) uniforms in [0, 1) */
+    const int64_t *key;        /* (n,) each row's noise key */
     int64_t *out;              /* (n,) the drawn token ids */
     float *kept;               /* (n, V) contiguous or NULL: each row's kept weights w (0 where filtered) */
 } sg_sample_args;
 
-/* A thread's scratch: V weights, V candidate indices, the block sums (kept between calls). */
+/* A thread's scratch: V weights and V candidate indices (kept between calls). */
 static __thread float *tl_buf = NULL;
 static __thread size_t tl_cap = 0;
 
 static float *scratch(int64_t V) {
-    size_t need = (size_t)V * 8 + ((size_t)V / SM_BLOCK + 1) * 8 + 64;
+    size_t need = (size_t)V * 8;
     if (need > tl_cap) {
         free(tl_buf);
         tl_buf = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -178,38 +182,84 @@ static float kth_largest(const float *l, int64_t V, int64_t k, float *buf, int32
     return key_value(select_key(buf, 0, idx, m, (double)k, &above));
 }
 
-/* The first maximal logit's index (NaN ignored; 0 when every logit is NaN). */
+/* Wellons' "lowbias32" integer mixer (public domain; bias ~0.17 of a full avalanche's), 16 lanes. */
+static inline __m512i mix32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* log(x) for positive normal float32 lanes: Cephes logf's reduction to [sqrt(1/2), sqrt(2)) and its
+ * polynomial (~1 ulp). */
+static inline __m512 sg_log512(__m512 x) {
+    __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+    __m512 e = _mm512_getexp_ps(x);
+    __mmask16 hi = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+    m = _mm512_mask_mul_ps(m, hi, m, _mm512_set1_ps(0.5f));
+    e = _mm512_mask_add_ps(e, hi, e, _mm512_set1_ps(1.0f));
+    const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f)), z = _mm512_mul_ps(f, f);
+    __m512 y = _mm512_set1_ps(7.0376836292e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174e-1f));
+    y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
+    y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+    y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, y);
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
+}
+
+/* E_i = -log U_i ~ Exp(1) for token ids i: U from (key halves k0, k1, i) as the file's header says. */
+static inline __m512 race_exp(__m512i ids, __m512i k0, __m512i k1) {
+    __m512i x = mix32(_mm512_add_epi32(mix32(_mm512_xor_si512(ids, k0)), k1));
+    __m512 u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 9)), _mm512_set1_ps(0x1p-23f),
+                               _mm512_set1_ps(0x1p-24f));
+    return _mm512_sub_ps(_mm512_setzero_ps(), sg_log512(u));
+}
+
+/* argmax's answer (torch.argmax's rule, which greedy decoding follows): the first NaN if the row has
+ * one, else the first maximal logit. */
 static int64_t first_max(const float *l, int64_t V) {
     int64_t best = 0;
-    float bv = -INFINITY;
-    int found = 0;
-    for (int64_t i = 0; i < V; i++)
-        if (l[i] == l[i] && (!found || l[i] > bv)) best = i, bv = l[i], found = 1;
+    for (int64_t i = 0; i < V; i++) {
+        if (l[i] != l[i]) return i;
+        if (l[i] > l[best]) best = i;
+    }
     return best;
 }
 
 /* Sum of 16 lanes of w[i..i+16) in double, masked. */
 static inline __m512d add16_pd(__m512d acc, __m512 v) {
     acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-    return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+    const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return _mm512_add_pd(acc, _mm512_cvtps_pd(upper));
 }
 
-static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float top_p, float min_p, double u,
-                          float *w, float *kept_out) {
+static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float top_p, float min_p,
+                          uint64_t key, float *w, float *kept_out) {
     int32_t *idx = (int32_t *)(w + V);
-    double *bsum = (double *)(((uintptr_t)(idx + V) + 63) & ~(uintptr_t)63);
-    const int64_t nblk = (V + SM_BLOCK - 1) / SM_BLOCK;
-    /* 1. The row's maximum (NaN lanes never win) and the top-k floor. */
+    /* 1. The row's maximum and the top-k floor. A NaN logit anywhere: argmax's answer, the first NaN
+     * (the PyTorch path's softmax makes every probability NaN there). */
     __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
     int64_t i = 0;
     for (; i + 16 <= V; i += 16) {
         __m512 x = _mm512_loadu_ps(l + i);
-        vm = _mm512_mask_max_ps(vm, _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), vm, x);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, x);
     }
     float m = _mm512_reduce_max_ps(vm);
-    for (; i < V; i++)
-        if (l[i] == l[i] && l[i] > m) m = l[i];
-    if (m == -INFINITY) return first_max(l, V);
+    for (; i < V; i++) {
+        nan |= l[i] != l[i];
+        if (l[i] > m) m = l[i];
+    }
+    if (nan || m == -INFINITY) return first_max(l, V);
     float floor_l = -INFINITY;
     if (k > 0 && k < V) {
         floor_l = kth_largest(l, V, k, w, idx);
@@ -235,6 +285,8 @@ static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float t
     float wstar = 0.0f; /* top-p: weights above it stay, equal ones by the tie rule */
     double before = 0.0, limit = 0.0;
     int nucleus = top_p < 1.0f && (limit = (double)top_p * total) < total;
+    /* A top_p that rounded to 0 in float32 (1e-46 is in (0, 1]) still keeps one token, as any tiny one. */
+    if (nucleus && !(limit > 0.0)) limit = 4.9406564584124654e-324;
     if (nucleus) {
         /* Only weights >= (1 - p) Z / V can stay: all those below sum to less than Z - limit, so the
          * tokens above them already reach the limit. Half that floor, for rounding. */
@@ -245,65 +297,47 @@ static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float t
 #undef ABOVE_CUT
         wstar = key_value(select_key(w, 1, idx, m, limit, &before) ^ 0x80000000u);
     }
-    /* 4. The kept weights and their block sums. */
+    /* 4. The kept weights. */
     const __m512 vstar = _mm512_set1_ps(wstar), vminp = _mm512_set1_ps(min_p);
-    double kept_total = 0.0;
-    for (int64_t b = 0; b < nblk; b++) {
-        const int64_t lo = b * SM_BLOCK, hi = lo + SM_BLOCK < V ? lo + SM_BLOCK : V;
-        __m512d s = _mm512_setzero_pd();
-        double tail = 0.0;
-        for (i = lo; i + 16 <= hi; i += 16) {
-            __m512 e = _mm512_loadu_ps(w + i);
-            __mmask16 drop = _mm512_cmp_ps_mask(e, vminp, _CMP_LT_OQ);
-            if (nucleus) drop |= _mm512_cmp_ps_mask(e, vstar, _CMP_LT_OQ);
-            if (drop) {
-                e = _mm512_mask_mov_ps(e, drop, _mm512_setzero_ps());
-                _mm512_storeu_ps(w + i, e);
-            }
-            s = add16_pd(s, e);
-        }
-        for (; i < hi; i++) {
-            if (w[i] < min_p || (nucleus && w[i] < wstar)) w[i] = 0.0f;
-            tail += w[i];
-        }
-        bsum[b] = _mm512_reduce_add_pd(s) + tail;
+    for (i = 0; i + 16 <= V; i += 16) {
+        __m512 e = _mm512_loadu_ps(w + i);
+        __mmask16 drop = _mm512_cmp_ps_mask(e, vminp, _CMP_LT_OQ);
+        if (nucleus) drop |= _mm512_cmp_ps_mask(e, vstar, _CMP_LT_OQ);
+        if (drop) _mm512_storeu_ps(w + i, _mm512_mask_mov_ps(e, drop, _mm512_setzero_ps()));
     }
+    for (; i < V; i++)
+        if (w[i] < min_p || (nucleus && w[i] < wstar)) w[i] = 0.0f;
     if (nucleus) {
         /* Ties at w*: in index order, each stays while the mass before it is below the limit. */
         double mass = before;
         for (i = 0; i < V; i++) {
             if (w[i] != wstar) continue;
-            if (mass < limit) {
-                mass += wstar;
-            } else {
-                w[i] = 0.0f;
-                bsum[i / SM_BLOCK] -= wstar;
-            }
+            if (mass < limit) mass += wstar;
+            else w[i] = 0.0f;
         }
     }
-    for (int64_t b = 0; b < nblk; b++) kept_total += bsum[b];
     if (kept_out) memcpy(kept_out, w, (size_t)V * sizeof *w);
-    if (!(kept_total > 0.0)) return first_max(l, V);
-    /* 5. The draw. */
-    const double target = u * kept_total;
-    double acc = 0.0;
-    int64_t b = 0;
-    for (; b < nblk - 1; b++) {
-        if (acc + bsum[b] > target) break;
-        acc += bsum[b];
+    /* 5. The race: per lane the best w / E so far and its token, then the best lane (lowest id on ties). */
+    const __m512i k0 = _mm512_set1_epi32((int)(uint32_t)key);
+    const __m512i k1 = _mm512_set1_epi32((int)(uint32_t)(key >> 32));
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 best = _mm512_set1_ps(-1.0f);
+    __m512i best_id = _mm512_set1_epi32(-1);
+    for (i = 0; i < V; i += 16, ids = _mm512_add_epi32(ids, step)) {
+        const __mmask16 in = i + 16 <= V ? (__mmask16)0xffff : (__mmask16)((1u << (V - i)) - 1u);
+        __m512 e = _mm512_maskz_loadu_ps(in, w + i);
+        __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_GT_OQ);
+        if (!live) continue; /* filtered tokens: no noise needed */
+        __m512 r = _mm512_div_ps(e, race_exp(ids, k0, k1));
+        __mmask16 better = live & _mm512_cmp_ps_mask(r, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, better, r);
+        best_id = _mm512_mask_mov_epi32(best_id, better, ids);
     }
-    int64_t last = -1;
-    for (i = b * SM_BLOCK; i < V && i < (b + 1) * SM_BLOCK; i++) {
-        if (w[i] > 0.0f) {
-            acc += w[i];
-            last = i;
-            if (acc > target) return i;
-        }
-    }
-    if (last >= 0) return last; /* rounding: the block's sum said the target lies in it */
-    for (i = V - 1; i > 0 && !(w[i] > 0.0f); i--) {
-    }
-    return i;
+    const float top = _mm512_reduce_max_ps(best);
+    if (!(top > 0.0f)) return first_max(l, V);
+    __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(at, best_id);
 }
 
 int sg_sample(const sg_sample_args *a) {
@@ -311,7 +345,7 @@ int sg_sample(const sg_sample_args *a) {
     const int64_t n = a->n, V = a->V, ld = a->ld;
     if (n < 1 || V < 1 || V > INT32_MAX || ld < V) return SM_ERR_SHAPE;
     for (int64_t r = 0; r < n; r++)
-        if (!(a->temperature[r] > 0.0f) || !(a->u[r] >= 0.0 && a->u[r] < 1.0)) return SM_ERR_SHAPE;
+        if (!(a->temperature[r] > 0.0f)) return SM_ERR_SHAPE;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
     for (int64_t r = 0; r < n; r++) {
@@ -321,8 +355,8 @@ int sg_sample(const sg_sample_args *a) {
             failed = 1;
             continue;
         }
-        a->out[r] = sample_row(a->logits + r * ld, V, a->temperature[r], a->top_k[r], a->top_p[r], a->min_p[r],
-                               a->u[r], w, a->kept ? a->kept + r * V : NULL);
+        a->out[r] = sample_row(a->logits + r * ld, V, a->temperature[r], a->top_k[r], a->top_p[r],
+                               a->min_p[r], (uint64_t)a->key[r], w, a->kept ? a->kept + r * V : NULL);
     }
     return failed ? SM_ERR_NOMEM : SM_OK;
 }
