@@ -215,12 +215,11 @@ static inline __m512 sg_log512(__m512 x) {
     return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
 }
 
-/* E_i = -log U_i ~ Exp(1) for token ids i: U from (key halves k0, k1, i) as the file's header says. */
-static inline __m512 race_exp(__m512i ids, __m512i k0, __m512i k1) {
+/* U_i in (0, 1) for token ids i, from (key halves k0, k1, i) as the file's header says. */
+static inline __m512 race_uniform(__m512i ids, __m512i k0, __m512i k1) {
     __m512i x = mix32(_mm512_add_epi32(mix32(_mm512_xor_si512(ids, k0)), k1));
-    __m512 u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 9)), _mm512_set1_ps(0x1p-23f),
-                               _mm512_set1_ps(0x1p-24f));
-    return _mm512_sub_ps(_mm512_setzero_ps(), sg_log512(u));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 9)), _mm512_set1_ps(0x1p-23f),
+                           _mm512_set1_ps(0x1p-24f));
 }
 
 /* argmax's answer (torch.argmax's rule, which greedy decoding follows): the first NaN if the row has
@@ -272,6 +271,10 @@ static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float t
         __m512 x = _mm512_loadu_ps(l + i);
         __m512 s = _mm512_div_ps(_mm512_sub_ps(x, vmax), vt);
         __mmask16 ok = _mm512_cmp_ps_mask(x, vfloor, _CMP_GE_OQ) & _mm512_cmp_ps_mask(s, vmin, _CMP_GE_OQ);
+        if (!ok) { /* below the top-k floor (most of a row under top-k): no exp */
+            _mm512_storeu_ps(w + i, _mm512_setzero_ps());
+            continue;
+        }
         __m512 e = _mm512_maskz_mov_ps(ok, sg_exp512(s));
         _mm512_storeu_ps(w + i, e);
         z = add16_pd(z, e);
@@ -299,14 +302,16 @@ static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float t
     }
     /* 4. The kept weights. */
     const __m512 vstar = _mm512_set1_ps(wstar), vminp = _mm512_set1_ps(min_p);
-    for (i = 0; i + 16 <= V; i += 16) {
-        __m512 e = _mm512_loadu_ps(w + i);
-        __mmask16 drop = _mm512_cmp_ps_mask(e, vminp, _CMP_LT_OQ);
-        if (nucleus) drop |= _mm512_cmp_ps_mask(e, vstar, _CMP_LT_OQ);
-        if (drop) _mm512_storeu_ps(w + i, _mm512_mask_mov_ps(e, drop, _mm512_setzero_ps()));
+    if (nucleus || min_p > 0.0f) {
+        for (i = 0; i + 16 <= V; i += 16) {
+            __m512 e = _mm512_loadu_ps(w + i);
+            __mmask16 drop = _mm512_cmp_ps_mask(e, vminp, _CMP_LT_OQ);
+            if (nucleus) drop |= _mm512_cmp_ps_mask(e, vstar, _CMP_LT_OQ);
+            if (drop) _mm512_storeu_ps(w + i, _mm512_mask_mov_ps(e, drop, _mm512_setzero_ps()));
+        }
+        for (; i < V; i++)
+            if (w[i] < min_p || (nucleus && w[i] < wstar)) w[i] = 0.0f;
     }
-    for (; i < V; i++)
-        if (w[i] < min_p || (nucleus && w[i] < wstar)) w[i] = 0.0f;
     if (nucleus) {
         /* Ties at w*: in index order, each stays while the mass before it is below the limit. */
         double mass = before;
@@ -317,22 +322,30 @@ static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float t
         }
     }
     if (kept_out) memcpy(kept_out, w, (size_t)V * sizeof *w);
-    /* 5. The race: per lane the best w / E so far and its token, then the best lane (lowest id on ties). */
+    /* 5. The race: per lane the best w / E so far and its token, then the best lane (lowest id on ties).
+     * E = -log U >= 1 - U, so a token with w <= top (1 - U), top the best w / E so far, cannot win (nor
+     * tie below a lower id already seen): a vector all of whose tokens are so skips the log. */
     const __m512i k0 = _mm512_set1_epi32((int)(uint32_t)key);
     const __m512i k1 = _mm512_set1_epi32((int)(uint32_t)(key >> 32));
     const __m512i step = _mm512_set1_epi32(16);
+    const __m512 one = _mm512_set1_ps(1.0f);
     __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 best = _mm512_set1_ps(-1.0f);
+    __m512 best = _mm512_set1_ps(-1.0f), vtop = _mm512_setzero_ps();
     __m512i best_id = _mm512_set1_epi32(-1);
     for (i = 0; i < V; i += 16, ids = _mm512_add_epi32(ids, step)) {
         const __mmask16 in = i + 16 <= V ? (__mmask16)0xffff : (__mmask16)((1u << (V - i)) - 1u);
         __m512 e = _mm512_maskz_loadu_ps(in, w + i);
         __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_GT_OQ);
         if (!live) continue; /* filtered tokens: no noise needed */
-        __m512 r = _mm512_div_ps(e, race_exp(ids, k0, k1));
+        const __m512 u = race_uniform(ids, k0, k1);
+        live &= _mm512_cmp_ps_mask(e, _mm512_mul_ps(vtop, _mm512_sub_ps(one, u)), _CMP_GT_OQ);
+        if (!live) continue;
+        __m512 r = _mm512_div_ps(e, _mm512_sub_ps(_mm512_setzero_ps(), sg_log512(u)));
         __mmask16 better = live & _mm512_cmp_ps_mask(r, best, _CMP_GT_OQ);
+        if (!better) continue;
         best = _mm512_mask_mov_ps(best, better, r);
         best_id = _mm512_mask_mov_epi32(best_id, better, ids);
+        vtop = _mm512_set1_ps(_mm512_reduce_max_ps(best));
     }
     const float top = _mm512_reduce_max_ps(best);
     if (!(top > 0.0f)) return first_max(l, V);
