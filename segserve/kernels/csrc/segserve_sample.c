@@ -128,7 +128,7 @@ static uint32_t select_key(const float *vals, int weighted, int32_t *idx, int64_
     return prefix;
 }
 
-/* idx[0..) = the indices i < V where mask_of(x_i) holds, in order; returns how many. */
+/* idx[0 .. count) = the indices i < V, in order, where cond(x[i]) holds (cond maps 16 lanes to a mask). */
 #define COLLECT(V, idx, x, cond, count)                                                        \
     do {                                                                                       \
         __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); \
@@ -294,11 +294,11 @@ static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float t
         /* Only weights >= (1 - p) Z / V can stay: all those below sum to less than Z - limit, so the
          * tokens above them already reach the limit. Half that floor, for rounding. */
         const __m512 vcut = _mm512_set1_ps((float)(0.5 * (total - limit) / (double)V));
-        int64_t m = 0;
+        int64_t cand = 0;
 #define ABOVE_CUT(v) _mm512_cmp_ps_mask((v), vcut, _CMP_GE_OQ)
-        COLLECT(V, idx, w, ABOVE_CUT, m);
+        COLLECT(V, idx, w, ABOVE_CUT, cand);
 #undef ABOVE_CUT
-        wstar = key_value(select_key(w, 1, idx, m, limit, &before) ^ 0x80000000u);
+        wstar = key_value(select_key(w, 1, idx, cand, limit, &before) ^ 0x80000000u);
     }
     /* 4. The kept weights. */
     const __m512 vstar = _mm512_set1_ps(wstar), vminp = _mm512_set1_ps(min_p);
