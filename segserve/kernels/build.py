@@ -30,12 +30,13 @@ SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
-ABI_VERSION = 11
+ABI_VERSION = 12
 SYMBOLS = (
     "sg_abi_version", "sg_linear", "sg_rope", "sg_write_kv", "sg_decode_attention", "sg_decode_stack",
     "sg_rows", "sg_amx_probe", "sg_amx_pack", "sg_amx_linear", "sg_amx_peak",
     "sg_chunk_attention", "sg_qdequant", "sg_quant_int8_built", "sg_f32gemm", "sg_amx_rows_linear",
     "sg_stack_timing", "sg_bf16gemm", "sg_bf16gemm_peak", "sg_sample",
+    "sg_logprobs",
 )
 
 _loaded: ctypes.CDLL | None = None

@@ -1,7 +1,8 @@
-"""PyTorch-facing wrapper of the compiled sampler (``csrc/segserve_sample.c``): temperature, top-k,
-top-p and min-p over each row of float32 logits, then one draw by an exponential race whose per-token
-noise is a hash of the row's key and the token id, in a few vector passes a row instead of the PyTorch
-path's softmax, random generator and sort.
+"""PyTorch-facing wrappers of the compiled sampler (``csrc/segserve_sample.c``): :func:`sample_rows`
+(temperature, top-k, top-p and min-p over each row of float32 logits, then one draw by an exponential
+race whose per-token noise is a hash of the row's key and the token id) and :func:`logprobs_rows` (a
+token's logprob and rank and the top-k logprobs of each row), in a few vector passes a row instead of
+the PyTorch path's softmax, random generator and sort.
 
 Whether to use it is the caller's choice (``segserve.worker.sampler``, when :func:`enabled`); it is on
 whenever the compiled kernels are (``SEGSERVE_CPU_KERNELS``).
@@ -18,7 +19,7 @@ from segserve.kernels import cpu as cpu_kernels
 _P = ctypes.c_void_p
 _L = ctypes.c_int64
 
-_ERRORS = {-1: "unsupported shape or a temperature <= 0", -2: "out of memory",
+_ERRORS = {-1: "unsupported shape, token id or a temperature <= 0", -2: "out of memory",
            -5: "argument struct of another size (the library and sample.py disagree on its layout)"}
 
 
@@ -32,7 +33,18 @@ class _SampleArgs(ctypes.Structure):
     ]
 
 
-_ARGS = {"sg_sample": _SampleArgs}
+@cpu_kernels._sized
+class _LogprobsArgs(ctypes.Structure):
+    """``sg_logprobs_args``."""
+
+    _fields_ = [
+        ("size", _L), ("n", _L), ("V", _L), ("logits", _P), ("ld", _L), ("token", _P), ("k", _L),
+        ("logprob", _P), ("rank", _P), ("top_logprob", _P), ("top_id", _P),
+    ]
+
+
+_ARGS = {"sg_sample": _SampleArgs, "sg_logprobs": _LogprobsArgs}
+_ERR_VALUE = -3
 
 
 def _library():
@@ -106,3 +118,50 @@ def sample_rows(
     if rc:
         raise RuntimeError(f"sg_sample failed: {_ERRORS.get(rc, rc)}")
     return out.tolist()
+
+
+def logprobs_rows(logits: torch.Tensor, tokens: list[int], k: int
+                  ) -> tuple[list[float], list[int], torch.Tensor, torch.Tensor] | None:
+    """Each row's ``log_softmax`` at ``tokens[r]``, that token's rank (how many logits are >= its own:
+    1 is the most likely) and the ``k`` largest logprobs with their ids (descending; ties: lower id
+    first), for ``(R, V)`` float32 logits. Each logprob is rounded once from ``l - log Z`` in double (the
+    sum of exponentials in double, exp a polynomial within ~1 ulp): within 1 float32 ulp plus 2.4e-7 of
+    a float64 ``log_softmax``.
+
+    Returns:
+        (R logprobs, R ranks, (R, k) top logprobs, (R, k) int64 top ids), or None when a row holds a
+        NaN or +inf logit (``log_softmax`` is NaN there; the caller's PyTorch path answers).
+
+    Raises:
+        ValueError: a dtype, shape or stride the kernel does not take, a token outside [0, V), k outside
+            [0, V], or ``len(tokens) != R``.
+    """
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+        raise ValueError(f"logits must be a (R, V) float32 CPU tensor, got {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device}")
+    r, v = logits.shape
+    if r < 1 or v < 1 or logits.stride(1) != 1:
+        raise ValueError(f"logits must have R >= 1 rows of V >= 1 contiguous columns, got "
+                         f"{tuple(logits.shape)} with strides {logits.stride()}")
+    if len(tokens) != r:
+        raise ValueError(f"tokens has {len(tokens)} values for {r} rows")
+    if not 0 <= k <= v:
+        raise ValueError(f"k must be in [0, {v}], got {k}")
+    bad = next((t for t in tokens if not 0 <= t < v), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {v})")
+    token = torch.tensor(tokens, dtype=torch.int64)
+    lp = torch.empty(r, dtype=torch.float32)
+    rank = torch.empty(r, dtype=torch.int64)
+    top_lp = torch.empty(r, k, dtype=torch.float32)
+    top_id = torch.empty(r, k, dtype=torch.int64)
+    rc = _library().sg_logprobs(_LogprobsArgs(
+        size=_LogprobsArgs.SIZE, n=r, V=v, logits=logits.data_ptr(), ld=logits.stride(0),
+        token=token.data_ptr(), k=k, logprob=lp.data_ptr(), rank=rank.data_ptr(),
+        top_logprob=top_lp.data_ptr(), top_id=top_id.data_ptr(),
+    ))
+    if rc == _ERR_VALUE:
+        return None
+    if rc:
+        raise RuntimeError(f"sg_logprobs failed: {_ERRORS.get(rc, rc)}")
+    return lp.tolist(), rank.tolist(), top_lp, top_id

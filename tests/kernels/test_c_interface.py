@@ -41,6 +41,7 @@ MIRRORS = {
     "sg_bf16gemm_args": bf16gemm._GemmArgs,
     "sg_bf16gemm_peak_args": bf16gemm._PeakArgs,
     "sg_sample_args": sample_kernels._SampleArgs,
+    "sg_logprobs_args": sample_kernels._LogprobsArgs,
 }
 # Every entry point's argument struct, whichever wrapper module mirrors it.
 ENTRY_POINTS = {**cpu_kernels._ARGS, **amx._ARGS, **chunk_kernels._ARGS, **quant_kernels._ARGS,

@@ -146,3 +146,63 @@ def test_the_wrapper_names_a_bad_argument() -> None:
     with pytest.raises(ValueError, match=r"key must be \(2,\) contiguous int64"):
         sample_kernels.sample_rows(torch.zeros(2, 8), [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2,
                                    torch.zeros(2))
+
+
+def _ulps(x: torch.Tensor) -> torch.Tensor:
+    """float32 spacing at each value of x (float64 tensor of float32 values)."""
+    f = x.float()
+    return (torch.nextafter(f, torch.full_like(f, float("-inf"))) - f).abs().double()
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 49152])
+def test_logprobs_within_one_ulp_of_a_float64_log_softmax(vocab: int) -> None:
+    """Oracle: ``torch.log_softmax`` in float64. The kernel rounds each logprob once from a double log Z
+    whose sum of exponentials carries exp's error (a polynomial within ~1 float32 ulp, relative): so
+    within 1 ulp of the value plus 2 ulps of 1 (2.4e-7: log Z's error when few tokens share the mass and
+    their exp errors do not average out; with 49,152 tokens the error measured 1 ulp)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * 3.0
+    logits[2, : vocab // 2] = float("-inf")  # masked tokens (a grammar, a logit bias)
+    tokens = torch.randint(0, vocab, (6,), generator=gen).tolist()
+    tokens[2] = 0  # a masked token: logprob -inf, every token at least as likely
+    k = min(5, vocab)
+    chosen, ranks, top_vals, top_ids = sample_kernels.logprobs_rows(logits, tokens, k)
+    truth = torch.log_softmax(logits.double(), dim=-1)
+    want = truth[torch.arange(6), tokens]
+    got = torch.tensor(chosen, dtype=torch.float64)
+    finite = want.isfinite()
+    tol = _ulps(want[finite]) + 2.4e-7
+    assert ((got - want).abs()[finite] <= tol).all(), (got, want)
+    assert got[2] == float("-inf") and ranks[2] == vocab
+    assert ranks == [int((logits[r] >= logits[r, t]).sum()) for r, t in enumerate(tokens)]
+    ref_vals, ref_ids = truth.topk(k, dim=-1)
+    live = ref_vals.isfinite()  # vocab 7's masked row has 4 live tokens: then -inf ties, lowest id first
+    assert torch.equal(top_ids[live], ref_ids[live])
+    assert ((top_vals.double() - ref_vals).abs()[live] <= _ulps(ref_vals[live]) + 2.4e-7).all()
+    assert top_ids[~live].tolist() == list(range(int((~live).sum())))
+    assert (top_vals[~live] == float("-inf")).all()
+
+
+def test_logprobs_top_lists_break_ties_by_id_and_take_any_k() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    _, ranks, vals, ids = sample_kernels.logprobs_rows(logits, [2], 2)
+    assert ids.tolist() == [[1, 2]] and ranks == [3] and vals[0, 0] == vals[0, 1]
+    assert sample_kernels.logprobs_rows(logits, [2], 0)[3].shape == (1, 0)
+    wide = torch.randn(2, 300, generator=torch.Generator().manual_seed(1))  # k = V: past the short-list sort
+    _, _, vals, ids = sample_kernels.logprobs_rows(wide, [0, 1], 300)
+    assert torch.equal(ids, wide.argsort(dim=-1, descending=True))
+    assert (vals[:, :-1] >= vals[:, 1:]).all()
+
+
+def test_logprobs_leave_a_nan_or_inf_row_to_pytorch_and_name_bad_arguments() -> None:
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(2, 20)
+        logits[1, 3] = bad
+        assert sample_kernels.logprobs_rows(logits, [0, 0], 2) is None
+    logits = torch.zeros(2, 20)
+    with pytest.raises(ValueError, match=r"token id 20 is outside the vocabulary \[0, 20\)"):
+        sample_kernels.logprobs_rows(logits, [0, 20], 1)
+    with pytest.raises(ValueError, match=r"k must be in \[0, 20\], got 21"):
+        sample_kernels.logprobs_rows(logits, [0, 1], 21)
+    with pytest.raises(ValueError, match="tokens has 1 values for 2 rows"):
+        sample_kernels.logprobs_rows(logits, [0], 1)
