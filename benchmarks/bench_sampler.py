@@ -13,6 +13,12 @@ setting, the engine's sampler switched between ``race`` and ``compiled`` round b
 second a user receives, and greedy decoding's figure for scale (sampling costs nothing when the ratio
 sampled / greedy is 1).
 
+Logprobs too: ``compute_logprobs`` (a token's logprob and rank and the top 5, what ``logprobs`` and
+``prompt_logprobs`` return) through the compiled ``sg_logprobs`` against PyTorch's ``log_softmax``,
+``>=`` count and ``topk`` (``logprobs_rows`` stubbed to decline), per step at each batch size and end to
+end: ``--e2e-batch`` / 16 prompts of 1,024 tokens with ``prompt_logprobs=1`` and ``max_tokens=1`` (the
+shape of lm-evaluation-harness's loglikelihood requests), prompt tokens a second.
+
 Prints one summary line; writes ``--out`` (JSON with ``lscpu``'s model name and the load average).
 Example: ``python benchmarks/bench_sampler.py --rounds 3``.
 """
@@ -30,6 +36,7 @@ from pathlib import Path
 import torch
 
 from segserve.kernels import cpu as cpu_kernels
+from segserve.kernels import sample as sample_kernels
 from segserve.sampling_params import SamplingParams
 from segserve.worker import sampler
 
@@ -84,6 +91,38 @@ def time_steps(batches: list[int], reps: int, vocab: int) -> dict:
     return out
 
 
+class pytorch_logprobs:
+    """``with pytorch_logprobs():`` the compiled logprobs decline (``compute_logprobs`` takes PyTorch)."""
+
+    def __enter__(self) -> None:
+        self.saved = sample_kernels.logprobs_rows
+        sample_kernels.logprobs_rows = lambda *a, **k: None
+
+    def __exit__(self, *exc) -> None:
+        sample_kernels.logprobs_rows = self.saved
+
+
+def time_logprobs(batches: list[int], reps: int, vocab: int) -> dict:
+    """Median ms of ``compute_logprobs`` (top 5) per batch and path, paths alternating."""
+    out = {}
+    for n in batches:
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n)) * 3.0
+        tokens = list(range(n))
+        times: dict[str, list[float]] = {"pytorch": [], "compiled": []}
+        for rep in range(reps + 2):
+            for path in times:
+                start = time.perf_counter()
+                if path == "pytorch":
+                    with pytorch_logprobs():
+                        sampler.compute_logprobs(logits, tokens, 5)
+                else:
+                    sampler.compute_logprobs(logits, tokens, 5)
+                if rep >= 2:
+                    times[path].append(1e3 * (time.perf_counter() - start))
+        out[f"b{n}"] = {p: statistics.median(v) for p, v in times.items()}
+    return out
+
+
 def end_to_end(args: argparse.Namespace) -> dict:
     """Output tok/s of ``LLM.generate`` per setting and sampler path, rounds alternating."""
     from segserve import LLM
@@ -109,7 +148,26 @@ def end_to_end(args: argparse.Namespace) -> dict:
                 elapsed = time.perf_counter() - start
                 sampler.draw = compiled_draw
                 tok_s[name][path].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    return {k: {p: statistics.median(v) for p, v in d.items()} for k, d in tok_s.items()}
+    res = {k: {p: statistics.median(v) for p, v in d.items()} for k, d in tok_s.items()}
+    # Prompt logprobs: loglikelihood-shaped requests, compiled vs PyTorch logprobs, rounds alternating.
+    n_lp = max(1, args.e2e_batch // 16)
+    lp_prompts = [{"prompt_token_ids": torch.randint(0, vocab, (1024,), generator=gen).tolist()}
+                  for _ in range(n_lp * (2 * args.rounds + 1))]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    llm.generate(lp_prompts[:n_lp], sp, use_tqdm=False)  # warm-up
+    lp_tok_s: dict[str, list[float]] = {"pytorch": [], "compiled": []}
+    for r in range(args.rounds):
+        for j, path in enumerate(lp_tok_s):
+            batch = lp_prompts[n_lp * (1 + 2 * r + j): n_lp * (2 + 2 * r + j)]  # fresh: no prefix-cache hits
+            start = time.perf_counter()
+            if path == "pytorch":
+                with pytorch_logprobs():
+                    llm.generate(batch, sp, use_tqdm=False)
+            else:
+                llm.generate(batch, sp, use_tqdm=False)
+            lp_tok_s[path].append(1024 * n_lp / (time.perf_counter() - start))
+    res["prompt_logprobs"] = {p: statistics.median(v) for p, v in lp_tok_s.items()}
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,20 +193,29 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     load0 = os.getloadavg()[0]
     steps = time_steps(args.batches, args.reps, args.vocab)
+    logprobs = time_logprobs(args.batches, args.reps, args.vocab)
     e2e = None if args.no_e2e else end_to_end(args)
     record = {"cpu": cpu_model(), "load_before": load0, "load_after": os.getloadavg()[0], "args": {
-        k: str(v) for k, v in vars(args).items()}, "step_ms": steps, "e2e_output_tok_s": e2e}
+        k: str(v) for k, v in vars(args).items()}, "step_ms": steps, "logprobs_ms": logprobs,
+        "e2e_output_tok_s": e2e}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     big = max(args.batches)
     parts = [f"b{big} {k.split('/')[1]} {v['race']:.2f} -> {v['compiled']:.2f} ms "
              f"({v['race'] / v['compiled']:.0f}x)" for k, v in steps.items() if k.startswith(f"b{big}/")]
     line = "sample() per step, race -> compiled: " + ", ".join(parts)
+    lp = logprobs[f"b{big}"]
+    line += (f"; compute_logprobs b{big} pytorch -> compiled {lp['pytorch']:.2f} -> {lp['compiled']:.2f} ms "
+             f"({lp['pytorch'] / lp['compiled']:.0f}x)")
     if e2e:
         g = e2e["greedy"]["compiled"]
         line += (f"; generate {args.e2e_batch}x{args.output_len} tok/s (greedy {g:.0f}): " + ", ".join(
             f"{k} {v['race']:.0f} -> {v['compiled']:.0f} ({v['compiled'] / v['race']:.2f}x, "
-            f"{v['compiled'] / g:.2f} of greedy)" for k, v in e2e.items() if k != "greedy"))
+            f"{v['compiled'] / g:.2f} of greedy)" for k, v in e2e.items()
+            if k not in ("greedy", "prompt_logprobs")))
+        plp = e2e["prompt_logprobs"]
+        line += (f"; prompt_logprobs prompt tok/s {plp['pytorch']:.0f} -> {plp['compiled']:.0f} "
+                 f"({plp['compiled'] / plp['pytorch']:.2f}x)")
     print(f"{line}; load {load0:.1f}-{record['load_after']:.1f} -> {args.out}")
     return 0
 
