@@ -262,6 +262,21 @@ def test_a_constraint_no_output_can_satisfy_is_an_error_naming_the_field(server,
     server.assert_idle_and_clean()
 
 
+def test_a_constraint_emptied_by_allowed_token_ids_names_that_field_too(server):
+    """A new user's trial (session 25): a choice constraint with ``allowed_token_ids`` that exclude every
+    choice's tokens was answered with "e.g. a schema whose $ref cycle has no base case", naming only
+    ``structured_outputs``; the message now names the request's other token-narrowing fields."""
+    body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 8, "allowed_token_ids": [1, 2, 3],
+            "structured_outputs": {"choice": ["red", "green", "blue"]}}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs"
+    assert "allowed_token_ids also narrows the tokens" in error["message"], error
+    assert "$ref" not in error["message"]
+    server.assert_idle_and_clean()
+
+
 @pytest.mark.parametrize("extra, param, words", CASES)
 def test_bad_input_is_400_naming_the_field(server, extra, param, words):
     body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 4, **extra}

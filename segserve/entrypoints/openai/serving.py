@@ -131,8 +131,8 @@ async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
     q.put_nowait(_DISCONNECTED)
 
 
-async def until_disconnected(streams: list[OutputStream], request: Request, constraint: str | None = None
-                             ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def until_disconnected(streams: list[OutputStream], request: Request, constraint: str | None = None,
+                             narrowing: tuple[str, ...] = ()) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) of every stream as outputs arrive (one stream per prompt), while the
     client is connected; every unfinished request is aborted when the client leaves or the consumer
     stops early (after vLLM's ``merge_async_iterators`` and ``iterate_with_cancellation``).
@@ -166,9 +166,12 @@ async def until_disconnected(streams: list[OutputStream], request: Request, cons
             dead = next((c for c in out.outputs if c.finish_reason == "error"), None)
             if dead is not None:
                 valid = max(0, len(dead.token_ids) - 1)  # the last is the token the constraint rejected
+                verb = "narrows" if len(narrowing) == 1 else "narrow"
+                why = (f"{' and '.join(narrowing)} also {verb} the tokens it may take" if narrowing
+                       else "e.g. a schema whose $ref cycle has no base case")
                 raise bad_request(f"{constraint or 'structured output'}: the output constraint admits no "
-                                  f"token after the {valid} generated, so no output can satisfy it (e.g. "
-                                  f"a schema whose $ref cycle has no base case)", constraint)
+                                  f"token after the {valid} generated, so no output can satisfy it ({why})",
+                                  constraint)
             yield entry, out
     finally:
         for stream in streams:
@@ -425,6 +428,15 @@ async def guard_stream(events: AsyncIterator[str], streams: list[OutputStream]) 
         for stream in streams:
             stream.abort_if_unfinished()
     yield "data: [DONE]\n\n"
+
+
+NARROWING_FIELDS = ("allowed_token_ids", "bad_words", "logit_bias")
+
+
+def narrowing_fields(req: p.SamplingFields) -> tuple[str, ...]:
+    """The request's fields besides its output constraint that take tokens away (named in the error when
+    the constraint is left with none)."""
+    return tuple(f for f in NARROWING_FIELDS if getattr(req, f, None))
 
 
 def constraint_field(req: p.SamplingFields, tool_constraint: bool = False) -> str | None:

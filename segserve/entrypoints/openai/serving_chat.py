@@ -24,6 +24,7 @@ from segserve.entrypoints.openai.serving import (
     guard_stream,
     last_each,
     message_chars,
+    narrowing_fields,
     response_id,
     sampling_params,
     sse,
@@ -70,7 +71,7 @@ async def create_chat_completion(serving: OpenAIServing, req: p.ChatCompletionRe
     given_id = response_id("chatcmpl", raw, req.request_id)
     streams = await serving.start_all([prompt_ids], params, "chatcmpl", serving.salt_of(req, raw), field)
     rid, model = given_id or streams[0].request_id, serving.names[0]
-    outputs = until_disconnected(streams, raw, field)
+    outputs = until_disconnected(streams, raw, field, narrowing_fields(req))
     top_n = top if req.logprobs else None
     if req.stream:
         events = _chat_events(serving, outputs, rid, model, top_n, req, plan)

@@ -24,6 +24,7 @@ from segserve.entrypoints.openai.serving import (
     constraint_field,
     guard_stream,
     last_each,
+    narrowing_fields,
     response_id,
     sampling_params,
     short_error,
@@ -134,7 +135,7 @@ async def create_completion(serving: OpenAIServing, req: p.CompletionRequest, ra
     given_id = response_id("cmpl", raw, req.request_id)
     streams = await serving.start_all([x.ids for x in prompts], params, "cmpl", salt, field)
     rid, model = given_id or streams[0].request_id, serving.names[0]
-    outputs = until_disconnected(streams, raw, field)
+    outputs = until_disconnected(streams, raw, field, narrowing_fields(req))
     if req.stream:
         events = _completion_events(serving, outputs, rid, model, shape, prompts, req)
         return StreamingResponse(guard_stream(events, streams), media_type="text/event-stream")
