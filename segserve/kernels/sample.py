@@ -52,6 +52,21 @@ def _library():
     return cpu_kernels.typed(cpu_kernels._library(), _ARGS)
 
 
+def _check_logits(logits: torch.Tensor) -> tuple[int, int]:
+    """``(R, V)`` of float32 CPU logits with contiguous columns.
+
+    Raises:
+        ValueError: another dtype, device or rank, an empty side, or strided columns."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+        raise ValueError(f"logits must be a (R, V) float32 CPU tensor, got {logits.dtype} "
+                         f"{tuple(logits.shape)} on {logits.device}")
+    r, v = logits.shape
+    if r < 1 or v < 1 or logits.stride(1) != 1:
+        raise ValueError(f"logits must have R >= 1 rows of V >= 1 contiguous columns, got "
+                         f"{tuple(logits.shape)} with strides {logits.stride()}")
+    return r, v
+
+
 def enabled() -> bool:
     """True when the compiled kernels are on and built for this machine."""
     return cpu_kernels.enabled()
@@ -90,13 +105,7 @@ def sample_rows(
         ValueError: on a dtype, shape or stride the kernel does not take, or list lengths other than R.
         RuntimeError: the kernel refused (a temperature <= 0).
     """
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
-        raise ValueError(f"logits must be a (R, V) float32 CPU tensor, got {logits.dtype} "
-                         f"{tuple(logits.shape)} on {logits.device}")
-    r, v = logits.shape
-    if r < 1 or v < 1 or logits.stride(1) != 1:
-        raise ValueError(f"logits must have R >= 1 rows of V >= 1 contiguous columns, got "
-                         f"{tuple(logits.shape)} with strides {logits.stride()}")
+    r, v = _check_logits(logits)
     lists = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     for name, values in lists.items():
         if len(values) != r:
@@ -136,13 +145,7 @@ def logprobs_rows(logits: torch.Tensor, tokens: list[int], k: int
         ValueError: a dtype, shape or stride the kernel does not take, a token outside [0, V), k outside
             [0, V], or ``len(tokens) != R``.
     """
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
-        raise ValueError(f"logits must be a (R, V) float32 CPU tensor, got {logits.dtype} "
-                         f"{tuple(logits.shape)} on {logits.device}")
-    r, v = logits.shape
-    if r < 1 or v < 1 or logits.stride(1) != 1:
-        raise ValueError(f"logits must have R >= 1 rows of V >= 1 contiguous columns, got "
-                         f"{tuple(logits.shape)} with strides {logits.stride()}")
+    r, v = _check_logits(logits)
     if len(tokens) != r:
         raise ValueError(f"tokens has {len(tokens)} values for {r} rows")
     if not 0 <= k <= v:
