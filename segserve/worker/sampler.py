@@ -275,7 +275,8 @@ def _apply_top_k(scaled: torch.Tensor, top_ks: list[int]) -> None:
 def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> None:
     """In place: keep the smallest set of most likely tokens whose mass reaches top_p (at least one).
 
-    A token survives when the mass of the tokens sorted before it is below ``top_p`` (vLLM's rule).
+    A token survives when the mass of the tokens sorted before it is below ``top_p`` (vLLM's rule); the
+    most likely one always does; equal probabilities are in id order (the compiled kernel's rule).
     Only rows with ``top_p < 1`` are touched. A full-vocabulary sort costs ~28 ms for 16 x 49,152
     rows on 2 cores, so the nucleus is first looked for among the top ``TOP_P_CANDIDATES`` tokens
     (same cumulative sums, so the same result); rows whose nucleus is larger fall back to the sort.
@@ -286,8 +287,14 @@ def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> None:
     sub = probs[rows]  # (Rp, V)
     limit = torch.tensor([top_ps[i] for i in rows], dtype=probs.dtype).unsqueeze(1)  # (Rp, 1)
     top_vals, top_ids = sub.topk(min(TOP_P_CANDIDATES, sub.shape[1]), dim=-1)  # (Rp, K), descending
+    # Equal probabilities in id order (topk leaves their order open): the compiled kernel's tie rule.
+    top_ids, by_id = top_ids.sort(dim=-1)
+    top_vals, by_value = top_vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    top_ids = top_ids.gather(1, by_value)
     mass = top_vals.cumsum(dim=-1)  # (Rp, K)
-    kept = torch.zeros_like(sub).scatter_(1, top_ids, top_vals.masked_fill(mass - top_vals >= limit, 0.0))
+    drop = mass - top_vals >= limit  # (Rp, K)
+    drop[:, 0] = False  # the top token stays even when top_p rounds to 0 in float32 (1e-46), as in vLLM
+    kept = torch.zeros_like(sub).scatter_(1, top_ids, top_vals.masked_fill(drop, 0.0))
     uncovered = (mass[:, -1:] < limit).squeeze(1).nonzero().squeeze(1).tolist()
     if uncovered:
         kept[uncovered] = _top_p_by_sort(sub[uncovered], limit[uncovered])
@@ -296,9 +303,10 @@ def _apply_top_p(probs: torch.Tensor, top_ps: list[float]) -> None:
 
 def _top_p_by_sort(probs: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """(R, V) probabilities with tokens outside each row's nucleus zeroed; ``limit`` is (R, 1)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # (R, V)
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (R, V)
-    return probs.scatter(1, order, sorted_p.masked_fill(mass_before >= limit, 0.0))
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # (R, V), equal ones in id order
+    drop = sorted_p.cumsum(dim=-1) - sorted_p >= limit  # (R, V): the mass before each token reaches top_p
+    drop[:, 0] = False
+    return probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
 
 
 def _apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from segserve.kernels import build
 from segserve.kernels import cpu as cpu_kernels
@@ -206,3 +208,43 @@ def test_logprobs_leave_a_nan_or_inf_row_to_pytorch_and_name_bad_arguments() -> 
         sample_kernels.logprobs_rows(logits, [0, 1], 21)
     with pytest.raises(ValueError, match="tokens has 1 values for 2 rows"):
         sample_kernels.logprobs_rows(logits, [0], 1)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    vocab=st.integers(1, 200),
+    rows=st.integers(1, 4),
+    temperature=st.floats(0.05, 5.0),
+    top_k=st.integers(-1, 210),
+    top_p=st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.1, 1e-46]),
+    min_p=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+    masked=st.floats(0.0, 0.9),
+    ties=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_any_shape_and_filters_keep_and_draw_as_the_pytorch_path(vocab, rows, temperature, top_k, top_p,
+                                                                  min_p, masked, ties, seed) -> None:
+    """Property: for any vocabulary size (vector tails included), filter values and share of masked
+    logits, the kernel keeps exactly the PyTorch path's tokens and draws its token for the same key.
+    Logits come rounded to 0.5 when ``ties`` (many equal values: top-k's tie rule); then top-p is 1 or
+    1e-46, because equal probabilities put its boundary exactly on a partial sum, where PyTorch's float32
+    sums and the kernel's double ones round apart (found by this test: 1/(2 + 1e-9) is 0.5 in float32).
+    The top-p tie order itself: test_ties_at_the_top_k_floor_stay_and_top_p_ties_go_in_index_order."""
+    if ties and top_p not in (1.0, 1e-46):
+        top_p = 1.0
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3.0
+    if ties:
+        logits = (logits * 2).round() / 2
+    logits[torch.rand(rows, vocab, generator=gen) < masked] = float("-inf")
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * rows
+    keys = _keys(rows, gen)
+    kept = torch.empty_like(logits)
+    got = _kernel(logits, params, keys, kept)
+    reference = _filtered_probs(logits, params)
+    live = torch.isfinite(logits).any(dim=-1)
+    # Probabilities below float32's least normal (a logit ~87 temperatures under the top): the kernel
+    # takes exp of those as 0, PyTorch's softmax gives a subnormal; neither can win a draw.
+    normal = ((reference >= torch.finfo(torch.float32).tiny) | (reference == 0)) & live.unsqueeze(1)
+    assert ((kept > 0) == (reference > 0))[normal].all()
+    assert got == _torch_draw(logits, params, keys)
