@@ -235,6 +235,29 @@ static int64_t first_max(const float *l, int64_t V) {
     return best;
 }
 
+/* The row's maximum (NaN never wins), and in *nan / *pinf whether it holds a NaN / a +inf logit. */
+static float row_max(const float *l, int64_t V, int *nan, int *pinf) {
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    __mmask16 n = 0, p = 0;
+    int64_t i = 0;
+    for (; i + 16 <= V; i += 16) {
+        __m512 x = _mm512_loadu_ps(l + i);
+        n |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        p |= _mm512_cmp_ps_mask(x, inf, _CMP_EQ_OQ);
+        vm = _mm512_max_ps(vm, x);
+    }
+    float m = _mm512_reduce_max_ps(vm);
+    for (; i < V; i++) {
+        n |= l[i] != l[i];
+        p |= l[i] == INFINITY;
+        if (l[i] > m) m = l[i];
+    }
+    *nan = n != 0;
+    *pinf = p != 0;
+    return m;
+}
+
 /* Sum of 16 lanes of w[i..i+16) in double, masked. */
 static inline __m512d add16_pd(__m512d acc, __m512 v) {
     acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
@@ -247,20 +270,10 @@ static int64_t sample_row(const float *l, int64_t V, float T, int32_t k, float t
     int32_t *idx = (int32_t *)(w + V);
     /* 1. The row's maximum and the top-k floor. A NaN logit anywhere: argmax's answer, the first NaN
      * (the PyTorch path's softmax makes every probability NaN there). */
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
-    int64_t i = 0;
-    for (; i + 16 <= V; i += 16) {
-        __m512 x = _mm512_loadu_ps(l + i);
-        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        vm = _mm512_max_ps(vm, x);
-    }
-    float m = _mm512_reduce_max_ps(vm);
-    for (; i < V; i++) {
-        nan |= l[i] != l[i];
-        if (l[i] > m) m = l[i];
-    }
+    int nan, pinf;
+    const float m = row_max(l, V, &nan, &pinf);
     if (nan || m == -INFINITY) return first_max(l, V);
+    int64_t i;
     float floor_l = -INFINITY;
     if (k > 0 && k < V) {
         floor_l = kth_largest(l, V, k, w, idx);
@@ -392,19 +405,7 @@ typedef struct {
     int64_t *top_id;       /* (n, k): their token ids */
 } sg_logprobs_args;
 
-/* Candidates (value desc, id asc) for the top-k list: insertion sort, the lists are short. */
-static void sort_desc(const float *l, int32_t *idx, int64_t m) {
-    for (int64_t a = 1; a < m; a++) {
-        int32_t x = idx[a];
-        int64_t b = a - 1;
-        while (b >= 0 && (l[idx[b]] < l[x] || (l[idx[b]] == l[x] && idx[b] > x))) {
-            idx[b + 1] = idx[b];
-            b--;
-        }
-        idx[b + 1] = x;
-    }
-}
-
+/* A top-k candidate: its logit and id, ordered by value descending, then id ascending. */
 struct vid { /* internal: no ctypes mirror */
     float v;
     int32_t i;
@@ -419,21 +420,10 @@ static int cmp_vid(const void *pa, const void *pb) {
 /* One row: 0 on success, 1 when it holds a NaN or +inf logit (the caller's PyTorch path takes it). */
 static int logprobs_row(const float *l, int64_t V, int64_t tok, int64_t k, float *lp, int64_t *rank,
                         float *top_lp, int64_t *top_id, float *buf, int32_t *idx) {
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    __mmask16 bad = 0;
-    int64_t i = 0;
-    const __m512 pinf = _mm512_set1_ps(INFINITY);
-    for (; i + 16 <= V; i += 16) {
-        __m512 x = _mm512_loadu_ps(l + i);
-        bad |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x, pinf, _CMP_EQ_OQ);
-        vm = _mm512_max_ps(vm, x);
-    }
-    float m = _mm512_reduce_max_ps(vm);
-    for (; i < V; i++) {
-        bad |= l[i] != l[i] || l[i] == INFINITY;
-        if (l[i] > m) m = l[i];
-    }
-    if (bad || m == -INFINITY) return 1;
+    int nan, pinf;
+    const float m = row_max(l, V, &nan, &pinf);
+    if (nan || pinf || m == -INFINITY) return 1;
+    int64_t i;
     /* log Z = m + log sum exp(l - m), the sum and the log in double */
     const __m512 vmax = _mm512_set1_ps(m), vmin = _mm512_set1_ps(SM_EXP_MIN);
     const float lt = l[tok];
@@ -467,17 +457,13 @@ static int logprobs_row(const float *l, int64_t V, int64_t tok, int64_t k, float
         COLLECT(V, idx, l, AT_LEAST_FLOOR, cand);
 #undef AT_LEAST_FLOOR
     }
-    if (cand <= 256) {
-        sort_desc(l, idx, cand);
-    } else {
-        struct vid *pairs = (struct vid *)buf; /* V floats of room: cand pairs fit when cand <= V / 2 */
-        struct vid *heap = cand <= V / 2 ? pairs : malloc((size_t)cand * sizeof *heap);
-        if (!heap) return 2;
-        for (int64_t j = 0; j < cand; j++) heap[j] = (struct vid){l[idx[j]], idx[j]};
-        qsort(heap, (size_t)cand, sizeof *heap, cmp_vid);
-        for (int64_t j = 0; j < cand; j++) idx[j] = heap[j].i;
-        if (heap != pairs) free(heap);
-    }
+    struct vid *pairs = (struct vid *)buf; /* V floats of room: cand pairs fit when cand <= V / 2 */
+    struct vid *heap = cand <= V / 2 ? pairs : malloc((size_t)cand * sizeof *heap);
+    if (!heap) return 2;
+    for (int64_t j = 0; j < cand; j++) heap[j] = (struct vid){l[idx[j]], idx[j]};
+    qsort(heap, (size_t)cand, sizeof *heap, cmp_vid);
+    for (int64_t j = 0; j < cand; j++) idx[j] = heap[j].i;
+    if (heap != pairs) free(heap);
     for (int64_t j = 0; j < k; j++) {
         top_id[j] = idx[j];
         top_lp[j] = (float)((double)l[idx[j]] - logz);
