@@ -1,5 +1,6 @@
-"""Chunk (prefill) attention: the compiled kernel (its AMX form, or its AVX-512 BF16 form on CPUs without
-AMX: ``chunk_attention.kind()``) against the SDPA path, in one process.
+"""Chunk (prefill) attention: the compiled kernel (bfloat16: its AMX form, or its AVX-512 BF16 form on CPUs
+without AMX; float32: its AVX-512F form: ``chunk_attention.kind(dtype)``) against the SDPA path, in one
+process.
 
 Two measurements, variants alternating rep by rep (the machine is shared and noisy), medians reported:
 
@@ -7,8 +8,9 @@ Two measurements, variants alternating rep by rep (the machine is shared and noi
   ``--chunk`` tokens after ``--prior`` cached ones (SmolLM2-135M's heads: 9 query, 3 KV, dim 64;
   bfloat16; blocks of 16, one request's consecutive blocks as the pool hands them out), times
   ``--layers``: the attention time of one engine step. ``sdpa`` is the same backend with only the
-  chunk kernel switched off (decodes and K/V writes stay compiled).
-* ``prefill``: the engine's whole prefill of one ``--prompt-len``-token prompt in bfloat16 under a
+  chunk kernel switched off (decodes and K/V writes stay compiled). ``--dtype`` (default bfloat16)
+  is the dtype of q and the cache.
+* ``prefill``: the engine's whole prefill of one ``--prompt-len``-token prompt in ``--dtype`` under a
   ``--budget``-token step budget (``max_tokens=1``, greedy), and the time of its last chunk's step.
 
 ``--prior 0 --chunk 4096 --budget 4096`` makes the attention part the attention of the one-step prefill.
@@ -37,16 +39,17 @@ def cpu_model() -> str:
     return names[0] if names else "unknown"
 
 
-def attention_case(prior: int, chunk: int, block_size: int = 16, seg: int = 512):
-    """(backend call args) for one late chunk: q/k/v of the chunk, a cache holding the prior, metadata."""
+def attention_case(prior: int, chunk: int, block_size: int = 16, seg: int = 512, dtype=torch.bfloat16):
+    """(backend call args) for one late chunk: q/k/v of the chunk, a cache holding the prior, metadata;
+    ``dtype`` for q/k/v and the cache."""
     from segserve.attention.metadata import build_attention_metadata
 
     gen = torch.Generator().manual_seed(0)
     hq, hkv, d = 9, 3, 64
     blocks = -(-(prior + chunk) // block_size)
     md = build_attention_metadata([chunk], [prior], [list(range(1, blocks + 1))], block_size, blocks + 1, seg)
-    cache = torch.randn(2, blocks + 1, block_size, hkv, d, generator=gen).bfloat16()
-    qkv = torch.randn(chunk, hq + 2 * hkv, d, generator=gen).bfloat16()  # as the model's fused output
+    cache = torch.randn(2, blocks + 1, block_size, hkv, d, generator=gen).to(dtype)
+    qkv = torch.randn(chunk, hq + 2 * hkv, d, generator=gen).to(dtype)  # as the model's fused output
     q, k, v = qkv.split((hq, hkv, hkv), dim=1)
     return q, k, v, cache, md, d**-0.5
 
@@ -67,13 +70,14 @@ def attention_ms(case, layers: int, use_kernel: bool) -> float:
         chunk_attention.set_enabled(old)
 
 
-def prefill_s(loaded, prompt: list[int], budget: int, use_kernel: bool) -> tuple[float, float]:
-    """(seconds of the whole prefill, ms of its last step) of one request in a fresh engine."""
+def prefill_s(loaded, prompt: list[int], budget: int, use_kernel: bool, dtype: str = "bfloat16"
+              ) -> tuple[float, float]:
+    """(seconds of the whole prefill, ms of its last step) of one request in a fresh ``dtype`` engine."""
     from segserve.engine.llm_engine import LLMEngine
     from segserve.kernels import chunk_attention
     from segserve.sampling_params import SamplingParams
 
-    engine = LLMEngine(model=loaded, dtype="bfloat16", max_num_batched_tokens=budget, max_model_len=8192)
+    engine = LLMEngine(model=loaded, dtype=dtype, max_num_batched_tokens=budget, max_model_len=8192)
     engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     old = chunk_attention.set_enabled(use_kernel)
     try:
@@ -98,6 +102,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median)")
     parser.add_argument("--prefill-reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="dtype of q, the cache and the prefill's engine")
     parser.add_argument("--out", default="results/bench_chunk_attention.json")
     return parser.parse_args()
 
@@ -106,11 +112,13 @@ def main() -> None:
     from segserve.kernels import chunk_attention
 
     args = parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    if not chunk_attention.available():
-        raise SystemExit("the chunk attention kernel is unavailable here (switched off, or kernels off)")
+    if not chunk_attention.available(dtype):
+        raise SystemExit(f"the chunk attention kernel is unavailable here for {args.dtype} (switched off, or "
+                         f"kernels off)")
     load_before = os.getloadavg()[0]
-    case = attention_case(args.prior, args.chunk)
+    case = attention_case(args.prior, args.chunk, dtype=dtype)
     attention_ms(case, 2, True), attention_ms(case, 2, False)  # warm-up (build, first-touch)
     att = {"kernel": [], "sdpa": []}
     for _ in range(args.reps):
@@ -119,27 +127,27 @@ def main() -> None:
     att_ms = {k: statistics.median(v) for k, v in att.items()}
     flops = 4 * 9 * 64 * args.chunk * (args.prior + (args.chunk + 1) / 2) * args.layers  # QK^T + PV, causal
     result = {
-        "cpu": cpu_model(), "kind": chunk_attention.kind(), "threads": args.threads, "prior": args.prior,
-        "chunk": args.chunk,
+        "cpu": cpu_model(), "kind": chunk_attention.kind(dtype), "dtype": args.dtype, "threads": args.threads,
+        "prior": args.prior, "chunk": args.chunk,
         "layers": args.layers, "attention_ms": att_ms, "attention_samples_ms": att,
         "attention_speedup": att_ms["sdpa"] / att_ms["kernel"],
         "attention_gflops": {k: flops / v / 1e6 for k, v in att_ms.items()},
     }
     summary = (
-        f"chunk attention, {args.chunk} after {args.prior} x {args.layers} layers: "
-        f"{result['kind']} {att_ms['kernel']:.0f} ms, sdpa {att_ms['sdpa']:.0f} ms "
-        f"({result['attention_speedup']:.2f}x)"
+        f"chunk attention ({args.dtype}), {args.chunk} after {args.prior} x {args.layers} layers: "
+        f"{result['kind']} {att_ms['kernel']:.0f} ms ({result['attention_gflops']['kernel']:.0f} GFLOP/s), "
+        f"sdpa {att_ms['sdpa']:.0f} ms ({result['attention_speedup']:.2f}x)"
     )
     if args.prompt_len:
         from segserve.models.loader import load_model
 
-        loaded = load_model(None, dtype=torch.bfloat16)
+        loaded = load_model(None, dtype=dtype)
         prompt = [100 + (i * 7919) % 40000 for i in range(args.prompt_len)]
-        prefill_s(loaded, prompt[:600], args.budget, True)  # warm-up
+        prefill_s(loaded, prompt[:600], args.budget, True, args.dtype)  # warm-up
         runs = {"kernel": [], "sdpa": []}
         for _ in range(args.prefill_reps):
-            runs["kernel"].append(prefill_s(loaded, prompt, args.budget, True))
-            runs["sdpa"].append(prefill_s(loaded, prompt, args.budget, False))
+            runs["kernel"].append(prefill_s(loaded, prompt, args.budget, True, args.dtype))
+            runs["sdpa"].append(prefill_s(loaded, prompt, args.budget, False, args.dtype))
         total = {k: statistics.median(s for s, _ in v) for k, v in runs.items()}
         last = {k: statistics.median(ms for _, ms in v) for k, v in runs.items()}
         result.update({

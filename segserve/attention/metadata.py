@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,4 +117,48 @@ def build_attention_metadata(
         kv_segment_size=kv_segment_size,
         query_start_loc_cpu=tuple(qsl.tolist()),
         prior_tokens_cpu=tuple(p.tolist()),
+    )
+
+
+def decode_view(metadata: AttentionMetadata, rows: Sequence[int]) -> AttentionMetadata:
+    """The step's ``rows`` attended as decodes, once the step has written its K/V to the cache.
+
+    Row ``rows[j]`` of the step (request ``i``'s token at absolute position ``p``) becomes request ``j``
+    of the view: one query at prior ``p`` (so ``seq_len = p + 1``: itself and everything before it),
+    over request ``i``'s block-table row and with its slot. The causal attention of a chunk's row is
+    exactly that, so a layer may run only the rows whose outputs are read (``forward_chunk``'s last
+    layer) through the decode kernels.
+
+    Args:
+        metadata: the step's metadata.
+        rows: ``(n,)`` real rows of the step (each ``< num_actual_tokens``), any order.
+
+    Returns:
+        Metadata of ``n`` one-token requests, no padding; ``block_table`` ``[n, max_blocks_per_seq]``.
+
+    Raises:
+        ValueError: when a row is negative or not below ``num_actual_tokens``.
+    """
+    r = np.asarray(rows, dtype=np.int64).reshape(-1)
+    bad = np.flatnonzero((r < 0) | (r >= metadata.num_actual_tokens))
+    if bad.size:
+        raise ValueError(
+            f"row {int(r[bad[0]])} is not a real row of the step (0 <= row < {metadata.num_actual_tokens})"
+        )
+    qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
+    req = np.searchsorted(qsl, r, side="right") - 1  # (n,) request of each row
+    pos = np.asarray(metadata.prior_tokens_cpu, dtype=np.int64)[req] + (r - qsl[req])  # (n,) positions
+    index, req_index = torch.from_numpy(r), torch.from_numpy(req)
+    n = int(r.size)
+    return AttentionMetadata(
+        num_actual_tokens=n,
+        num_padded_tokens=n,
+        slot_mapping=metadata.slot_mapping.index_select(0, index),
+        block_table=metadata.block_table.index_select(0, req_index),
+        seq_lens=torch.from_numpy((pos + 1).astype(np.int32)),
+        max_query_len=1 if n else 0,
+        block_size=metadata.block_size,
+        kv_segment_size=metadata.kv_segment_size,
+        query_start_loc_cpu=tuple(range(n + 1)),
+        prior_tokens_cpu=tuple(pos.tolist()),
     )

@@ -175,6 +175,7 @@ def gathered_tokens(
     seg: int,
     decodes_gather: bool = True,
     max_gather_tokens: int = MAX_GATHER_TOKENS,
+    chunks_gather: bool = True,
 ) -> int:
     """Cached tokens (whole blocks) the segmented backend copies per layer in a step.
 
@@ -185,6 +186,8 @@ def gathered_tokens(
         decodes_gather: False for the compiled CPU kernels, whose decodes read every block in place
             (only chunks copy then).
         max_gather_tokens: the backend's bound on one decode call.
+        chunks_gather: False where the compiled chunk kernel (``segserve.kernels.chunk_attention``) takes
+            the chunks, reading their priors in place too (then nothing is copied at all).
 
     Returns:
         Tokens copied: exact for decodes, an upper bound for a chunk whose prior spans several
@@ -196,7 +199,7 @@ def gathered_tokens(
         calls = decode_calls(walks, [rows[i] for i in order], block_size, seg, max_gather_tokens)
         gathered += sum((c.last - c.first) * c.blocks * block_size for c in calls if c.run is None)
     for n, prior, row in zip(query_lens, priors, rows, strict=True):
-        if n > 1 and prior > 0:
+        if chunks_gather and n > 1 and prior > 0:
             blocks = cdiv(prior, block_size)
             if consecutive_run([row], 0, blocks) is None:
                 gathered += blocks * block_size

@@ -32,11 +32,13 @@ With the compiled CPU kernels (``segserve.kernels.cpu``; float32/bfloat16 cache)
 form: one C call per layer walks every decode's blocks in place through the block table, one work
 item per (decode, KV head, segment), merged by log-sum-exp. It never gathers, so interleaved blocks
 cost nothing extra, and it has no per-segment dispatch; the plan then skips the decode calls.
-With them and a bfloat16 cache (``segserve.kernels.chunk_attention``), the chunks too are one C call
-per layer: every chunk's queries walk their prior and their own tokens in place through the block
-table, ``kv_segment_size`` tokens at a time with an online softmax, Q K^T and P V on AMX tiles, or in
-AVX-512 BF16 registers on CPUs without AMX; no gather, no per-segment call, no Python-side merge.
-Float32 caches, and the kernel switched off, keep the SDPA path above.
+With them (``segserve.kernels.chunk_attention``), the chunks too are one C call per layer: every
+chunk's queries walk their prior and their own tokens in place through the block table,
+``kv_segment_size`` tokens at a time with an online softmax; with a bfloat16 cache Q K^T and P V run on
+AMX tiles, or in AVX-512 BF16 registers on CPUs without AMX, with a float32 cache in AVX-512F FMAs
+(float32 throughout); no gather, no per-segment call, no Python-side merge. Shapes the kernel refuses
+(``chunk_attention.supports``), and the kernel switched off (``SEGSERVE_CHUNK_ATTENTION=0``), keep the
+SDPA path above.
 """
 
 from __future__ import annotations

@@ -64,12 +64,16 @@ def row_kernel_takes(m: int, dtype: torch.dtype) -> bool:
 
 
 def quantized_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, path_rows: int | None = None) -> torch.Tensor:
     """``x @ dequantize(w).T + bias`` for ``x`` ``(M, K)`` float32/bfloat16 -> ``(M, N)`` in ``out_dtype``
-    (default x's); the path by row count as the module docstring says."""
+    (default x's); the path by row count as the module docstring says: ``path_rows`` rows (default M),
+    so that some rows of a larger product get the bits that product gives them (row results do not
+    depend on the other rows within one path)."""
     m, (n, k) = x.shape[0], w.shape
-    if row_kernel_takes(m, x.dtype) and x.device.type == "cpu":
-        return quant.linear(x.contiguous(), w, bias, out_dtype=out_dtype)
+    rows = m if path_rows is None else path_rows
+    if row_kernel_takes(rows, x.dtype) and x.device.type == "cpu":
+        int8 = None if rows == m else bool(quant.int8_formats(rows) >> w.wqt & 1)
+        return quant.linear(x.contiguous(), w, bias, out_dtype=out_dtype, int8=int8)
     if x.dtype == torch.float32 and out_dtype in (None, torch.float32) and f32gemm.enabled():
         return f32gemm.matmul(x.contiguous(), w, bias)  # weight packed from its blocks, no float copy
     out = torch.empty(m, n, dtype=out_dtype or x.dtype)

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 from segserve.simulator.drift import drift_warning, reference_drift
-from segserve.simulator.replica import composition
 from segserve.simulator.step_model import SMALL_STEP_ROWS, StepComposition
 
 
@@ -54,7 +53,7 @@ def run_scenario(
 ) -> list[tuple[StepComposition, float]]:
     """Run one scenario on a fresh engine; returns (composition, seconds) per step."""
     from segserve import LLMEngine, SamplingParams
-    from segserve.simulator.replay import engine_decodes_gather, engine_stack_rows
+    from segserve.simulator.replay import step_composer
     from segserve.simulator.workload import TraceRequest, prompt_token_ids
 
     engine = LLMEngine(
@@ -64,10 +63,8 @@ def run_scenario(
     prompt = prompt_token_ids(TraceRequest(0, sc.prompt_len, 1, (seed,)), 0, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=sc.max_tokens, ignore_eos=True)
     captured: list[StepComposition] = []
-    gathers, rows = engine_decodes_gather(engine), engine_stack_rows(engine)
-    engine.schedule_observers.append(
-        lambda out: captured.append(composition(engine.scheduler, out, gathers, rows))
-    )
+    compose = step_composer(engine)
+    engine.schedule_observers.append(lambda out: captured.append(compose(out)))
     samples: list[tuple[StepComposition, float]] = []
 
     def step() -> None:
@@ -196,7 +193,7 @@ class _Prober:
     def __init__(self, engine, seed: int) -> None:
         import random
 
-        from segserve.simulator.replay import engine_decodes_gather, engine_stack_rows
+        from segserve.simulator.replay import step_composer
 
         self.engine = engine
         self.rng = random.Random(seed)
@@ -204,10 +201,8 @@ class _Prober:
         self.samples: list[tuple[StepComposition, float]] = []
         self._captured: list[StepComposition] = []
         self._ids = 0
-        gathers, rows = engine_decodes_gather(engine), engine_stack_rows(engine)
-        engine.schedule_observers.append(
-            lambda out: self._captured.append(composition(engine.scheduler, out, gathers, rows))
-        )
+        compose = step_composer(engine)
+        engine.schedule_observers.append(lambda out: self._captured.append(compose(out)))
 
     def fresh(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]

@@ -9,10 +9,15 @@ result is the simulator's own ``RequestRecord`` list, so both sides go through t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from segserve.simulator.replica import RequestRecord, composition
 from segserve.simulator.step_model import SMALL_STEP_ROWS, StepComposition
 from segserve.simulator.workload import TraceRequest, prompt_token_ids
+
+if TYPE_CHECKING:
+    from segserve.core.scheduler_output import SchedulerOutput
 
 
 def engine_decodes_gather(engine) -> bool:
@@ -25,6 +30,22 @@ def engine_decodes_gather(engine) -> bool:
     return not (cpu_kernels.enabled() and cpu_kernels.supports_cache(cache, cache.dtype))
 
 
+def engine_chunks_gather(engine) -> bool:
+    """Whether ``engine``'s chunks (query length > 1) gather their prior blocks (the SDPA chunk path)
+    rather than the compiled chunk kernel reading them in place (it takes bfloat16 and float32 caches
+    of the head shapes ``chunk_attention.supports`` names, unless switched off): how the samples it
+    yields count ``gathered_kv``."""
+    import torch
+
+    from segserve.kernels import chunk_attention
+    from segserve.kernels import cpu as cpu_kernels
+
+    cache = engine.runner.kv_caches[0]
+    heads = engine.loaded.config.num_attention_heads
+    q = torch.empty(1, heads, cache.shape[4], dtype=cache.dtype)  # one query row: only its shape is read
+    return not (cpu_kernels.enabled() and chunk_attention.supports(q, cache))
+
+
 def engine_stack_rows(engine) -> int:
     """``StepComposition.stack_rows`` for ``engine``: the rows up to which its decode-only steps run
     the one-call compiled stack (``CpuStep.decode_stack_rows``), at least ``SMALL_STEP_ROWS``; just
@@ -34,6 +55,16 @@ def engine_stack_rows(engine) -> int:
     if not cpu_kernels.enabled():
         return SMALL_STEP_ROWS
     return max(SMALL_STEP_ROWS, engine.runner.cpu_step.decode_stack_rows())
+
+
+def step_composer(engine) -> Callable[[SchedulerOutput], StepComposition]:
+    """``composition`` of each of ``engine``'s steps, read after ``schedule()`` (a schedule observer's
+    body), with how its kernels gather and stack (:func:`engine_decodes_gather`,
+    :func:`engine_stack_rows`, :func:`engine_chunks_gather`) asked once, here."""
+    gathers, stack_rows, chunk_gathers = (
+        engine_decodes_gather(engine), engine_stack_rows(engine), engine_chunks_gather(engine)
+    )
+    return lambda out: composition(engine.scheduler, out, gathers, stack_rows, chunk_gathers)
 
 
 def replay(
@@ -55,10 +86,10 @@ def replay(
     step_times: list[float] = []
     compositions: list[StepComposition] = []
 
-    gathers, stack_rows = engine_decodes_gather(engine), engine_stack_rows(engine)
+    compose = step_composer(engine)
 
     def observe(out) -> None:
-        compositions.append(composition(engine.scheduler, out, gathers, stack_rows))
+        compositions.append(compose(out))
 
     engine.schedule_observers.append(observe)
     t0, pos = time.monotonic(), 0

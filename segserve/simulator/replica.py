@@ -80,11 +80,15 @@ class StepRecord:
 
 
 def composition(
-    scheduler: Scheduler, out: SchedulerOutput, decodes_gather: bool = True, stack_rows: int = SMALL_STEP_ROWS
+    scheduler: Scheduler,
+    out: SchedulerOutput,
+    decodes_gather: bool = True,
+    stack_rows: int = SMALL_STEP_ROWS,
+    chunks_gather: bool = True,
 ) -> StepComposition:
     """The step's composition, read after ``schedule()``: each request's prior from ``out``, its
-    lengths from the scheduler (tokens are appended only after the step); ``decodes_gather`` as in
-    :func:`segmented_gather_tokens`; ``stack_rows`` as in ``StepComposition``."""
+    lengths from the scheduler (tokens are appended only after the step); ``decodes_gather`` and
+    ``chunks_gather`` as in :func:`segmented_gather_tokens`; ``stack_rows`` as in ``StepComposition``."""
     slices = []
     priors = out.num_prior_tokens()
     for rid, n in out.num_scheduled_tokens.items():
@@ -98,7 +102,8 @@ def composition(
     held = scheduler.kv_cache_manager.req_to_blocks
     rows = [_BlockIds(held.get(rid, [])) for rid in out.num_scheduled_tokens]
     gathered = segmented_gather_tokens(
-        slices, rows, scheduler.block_size, scheduler.config.attention.kv_segment_size, decodes_gather
+        slices, rows, scheduler.block_size, scheduler.config.attention.kv_segment_size, decodes_gather,
+        chunks_gather,
     )
     return StepComposition(tuple(slices), out.total_num_scheduled_tokens_padded, gathered, stack_rows)
 
@@ -125,6 +130,7 @@ def segmented_gather_tokens(
     block_size: int,
     seg: int,
     decodes_gather: bool = True,
+    chunks_gather: bool = True,
 ) -> int:
     """Cached tokens the segmented attention kernel copies per layer in a step with these slices:
     the kernel's own plan (``segserve.attention.plan.gathered_tokens``) over the real block ids, so
@@ -136,12 +142,18 @@ def segmented_gather_tokens(
         block_size: tokens per block; seg: ``kv_segment_size`` in tokens.
         decodes_gather: False for an engine with the compiled CPU kernels, whose decode attention reads
             every block in place (only chunks gather then).
+        chunks_gather: False for an engine whose chunks the compiled chunk kernel takes (it reads their
+            priors in place too): ``segserve.simulator.replay.engine_chunks_gather``.
 
     Returns:
-        Gathered tokens (whole blocks) per layer.
+        Gathered tokens (whole blocks) per layer that attends the step's chunks as chunks: every layer,
+        but the last of a many-row step on the compiled kernels, which attends only its sampled rows and
+        as decodes (``segserve.worker.cpu_step.last_layer_rows``), copies nothing. The step-time model's
+        coefficient for these tokens is fitted on real steps, so it absorbs that layer.
     """
     return gathered_tokens(
-        [s.chunk for s in slices], [s.prior for s in slices], block_rows, block_size, seg, decodes_gather
+        [s.chunk for s in slices], [s.prior for s in slices], block_rows, block_size, seg, decodes_gather,
+        chunks_gather=chunks_gather,
     )
 
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from segserve.attention.metadata import AttentionMetadata
+from segserve.attention.kv_store import write_kv
+from segserve.attention.metadata import AttentionMetadata, decode_view
 from segserve.attention.segmented import SegmentedAttentionBackend
 from segserve.kernels import amx, bf16gemm, quant
 from segserve.kernels import cpu as cpu_kernels
@@ -160,7 +161,7 @@ class CpuStep:
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata, logits_rows: list[int] | None = None,
     ) -> torch.Tensor:
         """One step, as ``LlamaForCausalLM.forward`` takes and returns it (equal within summation order).
 
@@ -169,16 +170,25 @@ class CpuStep:
             positions: ``(T,)`` int64 absolute positions.
             kv_caches: one ``[2, num_blocks, block_size, Hkv, D]`` tensor per layer, written in place.
             metadata: the step's attention metadata.
+            logits_rows: the rows whose hidden states the caller reads, or None for all. A step on the
+                many-row path (:func:`forward_chunk`) then runs its last layer on those rows alone
+                (:func:`last_layer_rows`); every row's K/V is written either way.
 
         Returns:
-            ``(T, H)`` hidden states after the final norm.
+            ``(T, H)`` hidden states after the final norm; with ``logits_rows``, rows outside it may hold
+            other values.
 
         Raises:
-            ValueError: when ``len(kv_caches)`` is not the number of layers, or (from the kernels,
-                before anything is written) a slot or block id lies outside the caches.
+            ValueError: when ``len(kv_caches)`` is not the number of layers, when a row of
+                ``logits_rows`` is not a real row of the step, or (from the kernels, before anything is
+                written) a slot or block id lies outside the caches.
         """
         model = self.model
         self._step_logits = None
+        bad = next((r for r in logits_rows or () if not 0 <= r < metadata.num_actual_tokens), None)
+        if bad is not None:
+            raise ValueError(f"logits row {bad} is not a real row of the step (0 <= row < "
+                             f"{metadata.num_actual_tokens})")
         dtype, device = model.activation_dtype, model.norm.weight.device
         if not self._kernels_fit(dtype, device):
             return model(input_ids, positions, kv_caches, metadata)
@@ -188,7 +198,7 @@ class CpuStep:
         stack = self.decode_stack(input_ids, kv_caches, metadata)
         if not small and stack is None:
             tiles = self._tile_weights if self._tiles_fit(dtype, rows) else None
-            return forward_chunk(model, input_ids, positions, kv_caches, metadata, tiles)
+            return forward_chunk(model, input_ids, positions, kv_caches, metadata, tiles, logits_rows)
         h = model.embed_tokens(input_ids)  # (T, H)
         cos, sin = model.rope_at(positions)  # (T, D) float32 each, shared by all layers
         if stack is not None:  # a decode-only step: every layer in one compiled call
@@ -417,6 +427,7 @@ def _kernel_weight(module: PackedLinear | QuantLinear) -> torch.Tensor | QuantWe
 def forward_chunk(
     model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
     metadata: AttentionMetadata, tile_weights: list[tuple[torch.Tensor, ...]] | None = None,
+    logits_rows: list[int] | None = None,
 ) -> torch.Tensor:
     """The model's forward for a step of many rows: the projections as the layers' own linears (oneDNN
     packed GEMMs), or with ``tile_weights`` (:func:`tile_layer_weights`) as :func:`tile_gemm`'s GEMMs
@@ -425,7 +436,9 @@ def forward_chunk(
     row passes instead of ~15 eager ops: ``h += branch`` fused with the next RMSNorm (the last layer's
     with the final norm), the SiLU gate, RoPE in place. Same rounding points as the eager model, so
     equal to it within the norms' (and the GEMMs') summation order.
-    ``input_ids``/``positions`` ``(T,)``; returns ``(T, H)`` after the final norm."""
+    ``input_ids``/``positions`` ``(T,)``; returns ``(T, H)`` after the final norm. With ``logits_rows``
+    the last layer runs only those rows (:func:`last_layer_rows`) and the other rows of the result are
+    unspecified."""
     model.check_kv_caches(kv_caches)
     h = model.embed_tokens(input_ids)  # (T, H)
     cos, sin = model.rope_at(positions)  # (T, D) float32 each
@@ -445,15 +458,77 @@ def forward_chunk(
                               metadata.slot_mapping)
             proj = attn.qkv_proj
             qkv = amx.linear(x, packed[0], proj.out_features, proj.in_features, proj.bias, rope_kv=rope)
-            out = attn.attend_rotated(qkv, kv_cache, metadata)  # (T, Hq D)
         else:
             qkv = _project(attn.qkv_proj, x, packed[0])  # (T, (Hq + 2 Hkv) D)
+        if logits_rows is not None and i == len(layers) - 1:
+            return last_layer_rows(model, h, qkv, fused is None, cos, sin, kv_cache, metadata, packed,
+                                   logits_rows)
+        if fused is not None:
+            out = attn.attend_rotated(qkv, kv_cache, metadata)  # (T, Hq D)
+        else:
             out = attn.attend(qkv, cos, sin, kv_cache, metadata, cpu_kernels.rope_)  # (T, Hq D)
         ln2 = layer.post_attention_layernorm
         cpu_kernels.add_rmsnorm_(h, ln2.weight, ln2.eps, add=_project(attn.o_proj, out, packed[1]), out=x)
         act = _project(mlp.gate_up_proj, x, packed[2], silu_mul=True)  # (T, I)
         branch = _project(mlp.down_proj, act, packed[3])  # (T, H)
     return cpu_kernels.add_rmsnorm_(h, model.norm.weight, model.norm.eps, add=branch)
+
+
+def last_layer_rows(
+    model: LlamaForCausalLM, h: torch.Tensor, qkv: torch.Tensor, rotate: bool, cos: torch.Tensor,
+    sin: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+    packed: tuple[torch.Tensor | None, ...], rows: list[int],
+) -> torch.Tensor:
+    """The last layer and the final norm of :func:`forward_chunk` for ``rows`` of the step only.
+
+    Every row's K and V still go to the cache (later steps attend to them), so the QKV projection (the
+    caller's, as in every layer), RoPE and the KV write run on all ``T`` rows; the attention, the output
+    projection, the MLP and the final norm run on the ``n`` rows whose logits the step samples or scores.
+    A chunk's row then attends as a decode of its own position
+    (:func:`segserve.attention.metadata.decode_view`), which is the same causal attention. What it saves
+    is ~1/L of a prefill chunk's work (a 4,096-token step of a 30-layer model: ~3 %). llama.cpp computes
+    its last layer for the output rows alone the same way (``inp_out_ids`` in its graph builders); vLLM
+    runs every row and selects the rows before the LM head.
+
+    Args:
+        h: ``(T, H)`` the residual stream entering the last layer (the previous layers' sum).
+        qkv: ``(T, (Hq + 2 Hkv) D)`` the last layer's QKV projection of ``input_layernorm(h)``.
+        rotate: whether RoPE and the KV write are still to do (False: the fused projection of
+            :func:`rope_kv_tables` did both).
+        cos, sin: ``(T, D)`` float32 RoPE rows.
+        kv_cache: the last layer's cache, written at ``metadata.slot_mapping``.
+        packed: the layer's tile weights ``(qkv, o, gate_up, down)``, or Nones.
+        rows: real rows of the step (each ``< metadata.num_actual_tokens``).
+
+    Returns:
+        ``h`` with ``h[rows]`` replaced by their final-norm hidden states ``(n, H)``; its other rows hold
+        the residual stream before the last layer (unspecified to the caller).
+
+    Raises:
+        ValueError: (from ``decode_view``) when a row is not a real row of the step (``CpuStep.forward``
+            checks them before the step writes anything).
+    """
+    layer = model.layers[-1]
+    attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    view = decode_view(metadata, rows)
+    if rotate:
+        cpu_kernels.rope_(qkv, hq + hkv, d, cos, sin)
+        k, v = qkv.view(qkv.shape[0], hq + 2 * hkv, d)[:, hq:].split((hkv, hkv), dim=1)  # (T, Hkv, D) each
+        write_kv(kv_cache, k, v, metadata.slot_mapping)
+    if not rows:
+        return h
+    index = torch.tensor(rows, dtype=torch.long)
+    out = attn.attend_rotated(qkv.index_select(0, index), kv_cache, view)  # (n, Hq D)
+    hr = h.index_select(0, index)  # (n, H)
+    xr = torch.empty_like(hr)
+    t = h.shape[0]  # the step's rows pick each GGUF weight's kernel, as in the full step (_project)
+    o = _project(attn.o_proj, out, packed[1], path_rows=t)  # (n, H)
+    cpu_kernels.add_rmsnorm_(hr, ln2.weight, ln2.eps, add=o, out=xr)
+    act = _project(mlp.gate_up_proj, xr, packed[2], silu_mul=True, path_rows=t)  # (n, I)
+    branch = _project(mlp.down_proj, act, packed[3], path_rows=t)  # (n, H)
+    final = cpu_kernels.add_rmsnorm_(hr, model.norm.weight, model.norm.eps, add=branch)
+    return h.index_copy_(0, index, final)
 
 
 def rope_kv_tables(
@@ -474,15 +549,23 @@ def rope_kv_tables(
 
 
 def _project(linear: PackedLinear | QuantLinear, x: torch.Tensor, packed: torch.Tensor | None,
-             silu_mul: bool = False) -> torch.Tensor:
+             silu_mul: bool = False, path_rows: int | None = None) -> torch.Tensor:
     """``linear(x)`` (``silu_mul``: the SiLU gate of that fused gate|up output), on :func:`tile_gemm`'s
     GEMM when ``packed`` (its weight in ``amx.pack``'s layout) is given or when :func:`quant_on_tiles`
-    says a GGUF weight's step goes there (dequantized to bfloat16 and packed for this call)."""
+    says a GGUF weight's step goes there (dequantized to bfloat16 and packed for this call).
+    ``path_rows``: the row count that picks a GGUF weight's kernel (default x's): :func:`last_layer_rows`
+    passes its step's, so its few rows get the bits the step's product gives them (one row alone would
+    take the integer-activation kernel of a lone decode, ~1e-3 off in a first token's logprob)."""
     gemm = tile_gemm()
-    if packed is None and quant_on_tiles(linear, x) and not (silu_mul and linear.out_features % 32):
+    rows = x.shape[0] if path_rows is None else path_rows
+    if packed is None and quant_on_tiles(linear, x, rows) and not (silu_mul and linear.out_features % 32):
         packed = amx.pack(dequantize_weight(linear.quant_weight, torch.bfloat16))
     if packed is None or gemm is None:
-        return cpu_kernels.silu_mul(linear(x)) if silu_mul else linear(x)
+        if isinstance(linear, QuantLinear):
+            y = quantized_matmul(x, linear.quant_weight, linear.bias, path_rows=rows)
+        else:
+            y = linear(x)
+        return cpu_kernels.silu_mul(y) if silu_mul else y
     return gemm.linear(x, packed, linear.out_features, linear.in_features, linear.bias, silu_mul=silu_mul)
 
 
@@ -496,9 +579,10 @@ def tile_gemm():
     return bf16gemm if bf16gemm.available() else None
 
 
-def quant_on_tiles(linear: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether a GGUF-block projection of a bfloat16 step of ``x`` ``(M, K)`` runs as dequantize, pack
-    and tile GEMM (:func:`tile_gemm`): the rows where ``QuantLinear`` itself would dequantize and call
+def quant_on_tiles(linear: torch.nn.Module, x: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether a GGUF-block projection of a bfloat16 step of ``x`` ``(M, K)`` (of ``rows`` rows when
+    given: the step's, for some of its rows) runs as dequantize, pack and tile GEMM
+    (:func:`tile_gemm`): the rows where ``QuantLinear`` itself would dequantize and call
     oneDNN (above ``quant_linear.SMALL_ROWS``), a tile GEMM available, and a weight (and bfloat16 bias)
     the kernel tiles. The dequantization is the one that path does; packing adds one pass over the (at
     most 3.5 MB here) bfloat16 weight per call, against a GEMM of at least 13 rows that then runs at the
@@ -506,7 +590,8 @@ def quant_on_tiles(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     well)."""
     return (
         isinstance(linear, QuantLinear) and x.dtype == torch.bfloat16
-        and x.shape[0] > QUANT_SMALL_ROWS[torch.bfloat16] and linear.out_features % 16 == 0
+        and (x.shape[0] if rows is None else rows) > QUANT_SMALL_ROWS[torch.bfloat16]
+        and linear.out_features % 16 == 0
         and linear.in_features % 32 == 0 and (linear.bias is None or linear.bias.dtype == torch.bfloat16)
         and tile_gemm() is not None
     )

@@ -143,7 +143,6 @@ class ModelRunner:
         if not order:
             return ModelRunnerOutput(sampled_token_ids={})
         input_ids, positions, metadata = self._prepare_inputs(so, order)
-        hidden = self.cpu_step.forward(input_ids, positions, self.kv_caches, metadata)  # (T_padded, hidden)
         ends = metadata.query_start_loc_cpu[1:]
         due = [
             i
@@ -151,10 +150,16 @@ class ModelRunner:
             if self.requests[rid].num_computed_tokens + so.num_scheduled_tokens[rid]
             == len(self.requests[rid].token_ids)
         ]
+        last_rows = [ends[i] - 1 for i in due]
+        # Only the sampled rows' hidden states are read unless a request scores its prompt this step.
+        scores_prompt = any(self.requests[rid].sampling_params.prompt_logprobs is not None for rid in order)
+        hidden = self.cpu_step.forward(
+            input_ids, positions, self.kv_caches, metadata, logits_rows=None if scores_prompt else last_rows
+        )  # (T_padded, hidden)
         prompt_logprobs = self._prompt_logprobs(hidden, order, so, metadata)
         sampled, logprobs = {}, {}
         if due:
-            logits = self.cpu_step.logits_of(hidden, [ends[i] - 1 for i in due])  # (N, V) float32
+            logits = self.cpu_step.logits_of(hidden, last_rows)  # (N, V) float32
             rids = [order[i] for i in due]
             states = [self.requests[rid] for rid in rids]
             # Logprobs are those of the model's raw logits, before any processing (vLLM's default

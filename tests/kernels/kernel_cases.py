@@ -72,6 +72,17 @@ def make_case(
     return Case(q, k, v, cache, metadata, head_dim**-0.5)
 
 
+def chunk_tensors(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``chunk_attention``'s ``(starts, query_lens, priors, reqs)`` for every request of the case (all
+    taken as chunks, whatever their length): ``(n,)`` int64 each."""
+    md = case.metadata
+    qsl = md.query_start_loc_cpu
+    starts = torch.tensor(qsl[:-1], dtype=torch.int64)
+    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(md.num_reqs)], dtype=torch.int64)
+    priors = torch.tensor(md.prior_tokens_cpu, dtype=torch.int64)
+    return starts, lens, priors, torch.arange(md.num_reqs, dtype=torch.int64)
+
+
 def contiguous_prior(cache: torch.Tensor, row: list[int], prior: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's prior K, V ``[prior, Hkv, D]`` read slot by slot from the cache (no block gather)."""
     block_size = cache.shape[2]

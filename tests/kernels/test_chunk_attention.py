@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import make_case, sdpa_oracle
+from kernel_cases import chunk_tensors, make_case, sdpa_oracle
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.segmented import SegmentedAttentionBackend
@@ -28,22 +28,12 @@ MAX_ABS_ERR = 2e-2
 MEAN_ABS_ERR = 2e-3
 
 
-def _tensors(case):
-    """The chunk arrays of every request of the case (all taken as chunks, whatever their length)."""
-    md = case.metadata
-    qsl = md.query_start_loc_cpu
-    starts = torch.tensor(qsl[:-1], dtype=torch.int64)
-    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(md.num_reqs)], dtype=torch.int64)
-    priors = torch.tensor(md.prior_tokens_cpu, dtype=torch.int64)
-    return starts, lens, priors, torch.arange(md.num_reqs, dtype=torch.int64)
-
-
 def _run_kernel(case, seg: int | None = None) -> torch.Tensor:
     md = case.metadata
     write_kv(case.cache, case.k, case.v, md.slot_mapping)
     out = torch.zeros_like(case.q)
-    ca.chunk_attention(case.q, out, case.cache, md.block_table, *_tensors(case), seg or md.kv_segment_size,
-                       case.scale)
+    ca.chunk_attention(case.q, out, case.cache, md.block_table, *chunk_tensors(case),
+                       seg or md.kv_segment_size, case.scale)
     return out
 
 
@@ -103,7 +93,7 @@ def test_rows_of_other_requests_are_untouched() -> None:
     md = case.metadata
     write_kv(case.cache, case.k, case.v, md.slot_mapping)
     out = torch.full_like(case.q, 7.0)
-    starts, lens, priors, reqs = (t[1:] for t in _tensors(case))
+    starts, lens, priors, reqs = (t[1:] for t in chunk_tensors(case))
     ca.chunk_attention(case.q, out, case.cache, md.block_table, starts, lens, priors, reqs, 512, case.scale)
     assert torch.all(out[:20] == 7.0)
     assert not torch.any(out[20:50] == 7.0)
@@ -125,7 +115,7 @@ def test_bad_input_is_refused_with_the_limit_named() -> None:
     case = make_case([20], [10], block_size=16, seg=512, dtype=torch.bfloat16)
     md = case.metadata
     out = torch.zeros_like(case.q)
-    args = _tensors(case)
+    args = chunk_tensors(case)
     with pytest.raises(ValueError, match="D % 32 == 0"):
         ca.chunk_attention(case.q.float(), out, case.cache, md.block_table, *args, 512, case.scale)
     with pytest.raises(ValueError, match="int64"):
@@ -141,7 +131,8 @@ def test_bad_input_is_refused_with_the_limit_named() -> None:
     with pytest.raises(ValueError, match="block id outside"):
         ca.chunk_attention(case.q, out, case.cache, table, *args, 512, case.scale)
     assert torch.count_nonzero(out) == 0
-    assert not ca.supports(case.q.float(), case.cache.float())
+    assert not ca.supports(case.q.half(), case.cache.half())
+    assert not ca.supports(case.q.float(), case.cache)  # mixed dtypes
 
 
 def test_exp2_is_accurate_far_below_bfloat16_rounding() -> None:

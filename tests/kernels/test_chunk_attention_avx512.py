@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import make_case
+from kernel_cases import chunk_tensors, make_case
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.reference import ReferenceAttentionBackend
@@ -32,22 +32,12 @@ def _avx512_form():
         yield
 
 
-def _chunk_args(case):
-    """starts, query_lens, priors, reqs of every request of the case, all taken as chunks."""
-    md = case.metadata
-    qsl = md.query_start_loc_cpu
-    starts = torch.tensor(qsl[:-1], dtype=torch.int64)
-    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(md.num_reqs)], dtype=torch.int64)
-    priors = torch.tensor(md.prior_tokens_cpu, dtype=torch.int64)
-    return starts, lens, priors, torch.arange(md.num_reqs, dtype=torch.int64)
-
-
 def _kernel(case, seg: int) -> torch.Tensor:
     """The kernel's ``[T_padded, Hq, D]`` bfloat16 output (padding rows 0), the step's K/V written first."""
     md = case.metadata
     write_kv(case.cache, case.k, case.v, md.slot_mapping)
     out = torch.zeros_like(case.q)
-    ca.chunk_attention(case.q, out, case.cache, md.block_table, *_chunk_args(case), seg, case.scale)
+    ca.chunk_attention(case.q, out, case.cache, md.block_table, *chunk_tensors(case), seg, case.scale)
     return out
 
 

@@ -53,20 +53,32 @@ def test_real_engine_steps_match_the_simulation(tiny_dir, policy):
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-kernels"])
-def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch, compiled):
+@pytest.mark.parametrize(
+    ("compiled", "chunk_kernel"), [(False, False), (True, False), (True, True)],
+    ids=["eager", "compiled-kernels-sdpa-chunks", "compiled-kernels"],
+)
+def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch, compiled, chunk_kernel):
     # The simulator's model of the segmented kernel's gathers (``segmented_gather_tokens``) must
     # count exactly the tokens the kernel copies, step by step, on a real replay whose concurrent
     # requests interleave their blocks. The compiled CPU kernels read decode KV in place: only the
-    # chunks' prior blocks are copied then.
+    # chunks' prior blocks are copied then, and not in the last layer of a many-row step, which attends
+    # only its sampled rows, as decodes (``cpu_step.last_layer_rows``); with the compiled chunk kernel
+    # (float32 caches too) the chunks read in place as well, and nothing is copied.
+    import torch
+
     from segserve import LLMEngine
     from segserve.attention import segmented
+    from segserve.kernels import chunk_attention
     from segserve.kernels import cpu as cpu_kernels
-    from segserve.simulator.replay import engine_decodes_gather
+    from segserve.simulator.replay import engine_chunks_gather, engine_decodes_gather
+    from segserve.worker import cpu_step
 
     if compiled and not cpu_kernels.enabled():
         pytest.skip(f"compiled kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    if chunk_kernel and not chunk_attention.available(torch.float32):
+        pytest.skip("the float32 chunk kernel is unavailable")
     monkeypatch.setattr(cpu_kernels._switch, "on", compiled)  # restored after the test
+    monkeypatch.setattr(chunk_attention._switch, "on", chunk_kernel)
 
     copied: list[int] = []
     original = segmented.SegmentedAttentionBackend._copy_blocks
@@ -76,6 +88,14 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch, comp
         return original(self, kv_cache, kv_block_ids)
 
     monkeypatch.setattr(segmented.SegmentedAttentionBackend, "_copy_blocks", spy)
+    pruned: list[int] = []  # the steps (1-based) whose last layer ran for its sampled rows alone
+    last_layer_rows = cpu_step.last_layer_rows
+
+    def spy_rows(*args):
+        pruned.append(len(per_step))
+        return last_layer_rows(*args)
+
+    monkeypatch.setattr(cpu_step, "last_layer_rows", spy_rows)
     engine = LLMEngine(tiny_dir, max_num_batched_tokens=24, block_size=4,
                        num_kv_blocks=120, max_model_len=128)
     per_step: list[int] = []
@@ -85,12 +105,16 @@ def test_gathered_kv_tokens_match_the_kernels_copies(tiny_dir, monkeypatch, comp
     reqs = [TraceRequest(0.0, 40, 9), TraceRequest(0.0, 21, 12), TraceRequest(0.0, 100, 7),
             TraceRequest(0.0, 5, 10)]
     assert engine_decodes_gather(engine) is not compiled
+    assert engine_chunks_gather(engine) is not chunk_kernel
     _, samples = replay(engine, reqs)
     layers = engine.loaded.config.num_hidden_layers
     marks = [*per_step, len(copied)]
-    real = [sum(copied[marks[i] : marks[i + 1]]) // layers for i in range(len(samples))]
-    assert [c.gathered_tokens for c, _ in samples] == real
-    assert sum(real) > 0  # the case does exercise gathers
+    # layers that attended the step's chunks as chunks: all, or all but a pruned last one
+    attending = [layers - pruned.count(i + 1) for i in range(len(samples))]
+    real = [sum(copied[marks[i] : marks[i + 1]]) for i in range(len(samples))]
+    assert [c.gathered_tokens * n for (c, _), n in zip(samples, attending, strict=True)] == real
+    assert (sum(real) > 0) is not chunk_kernel  # the case does exercise gathers, where chunks gather
+    assert (len(pruned) > 0) is compiled  # and, with the kernels, pruned last layers
 
 
 def test_segmented_gather_tokens_reads_each_slice_as_the_plan_does():
@@ -104,3 +128,5 @@ def test_segmented_gather_tokens_reads_each_slice_as_the_plan_does():
     decodes = [RequestSlice(40, 1, True, True), RequestSlice(19, 1, True, True)]
     assert segmented_gather_tokens(decodes, [[1, 3, 9], [2, 4]], 16, 32) == 64
     assert segmented_gather_tokens(decodes, [[1, 3, 9], [2, 4]], 16, 32, decodes_gather=False) == 0
+    assert segmented_gather_tokens([chunk], [[3, 8, 5, 6]], 16, 512, decodes_gather=False) == 48
+    assert segmented_gather_tokens([chunk], [[3, 8, 5, 6]], 16, 512, chunks_gather=False) == 0

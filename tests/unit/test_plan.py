@@ -105,4 +105,9 @@ def test_gathered_tokens_by_hand() -> None:
     assert plan.gathered_tokens([16], [48], [[3, 4, 5, 6]], 16, 512) == 0
     assert plan.gathered_tokens([16], [48], [[3, 8, 5, 6]], 16, 512) == 48
     assert plan.gathered_tokens([16], [48], [[3, 8, 5, 6]], 16, 512, decodes_gather=False) == 48
+    # ... unless the compiled chunk kernel takes the chunks (it reads their priors in place); decodes
+    # still gather unless their kernel reads in place too (the decode's first segment, blocks 1 and 3).
+    assert plan.gathered_tokens([16], [48], [[3, 8, 5, 6]], 16, 512, chunks_gather=False) == 0
+    rows = [[3, 8, 5, 6], [1, 3, 9]]
+    assert plan.gathered_tokens([16, 1], [48, 40], rows, 16, 32, chunks_gather=False) == 32
     assert plan.gathered_tokens([64], [0], [[9, 2, 4, 1]], 16, 512) == 0

@@ -1,5 +1,6 @@
-/* segserve chunk (prefill) attention through the paged KV cache (bfloat16 caches), its two products on
- * AMX tiles or, on CPUs without AMX, in AVX-512 BF16 registers (VDPBF16PS).
+/* segserve chunk (prefill) attention through the paged KV cache: bfloat16 caches, the two products on
+ * AMX tiles or, on CPUs without AMX, in AVX-512 BF16 registers (VDPBF16PS); float32 caches, the two
+ * products in AVX-512F FMA registers (see "float32" below).
  *
  *   sg_chunk_attention      the attention of every chunk (query length >= 1) of a step, in one call.
  *
@@ -38,6 +39,24 @@
  * on CPUs without AMX; there sg_amx_granted() (segserve_simd.h) is 0 and sg_chunk_attention refuses
  * isa CA_ISA_AMX with ERR_NO_AMX. Tile configuration is per thread: every OpenMP thread loads it before its items and
  * releases the tiles after, so other code sharing the threads (another AMX kernel) is unaffected.
+ *
+ * float32 (args.dt = CA_DT_F32, isa CA_ISA_AVX512F): q, out and the cache float32, nothing rounded to
+ * bfloat16. The same walk, work items, causal mask and online softmax (P written as float32); what
+ * differs is the layout of the packed blocks and the products (see ca_f32_scores below):
+ *
+ *   S = Q K^T   K packed transposed, per group of 16 keys [D dims][16 keys], so a vector is one dim of
+ *               16 keys: S[r, 16 keys] += Q[r, d] (broadcast) * K[d, 16 keys], over d in order, in
+ *               register blocks of 8 rows x 48 keys (24 accumulators).
+ *   O += P V    V packed as its rows [keys][D]: O[r, 16 dims] += P[r, k] (broadcast) * V[k, 16 dims],
+ *               over the keys in order, in register blocks of 8 rows x 32 dims (16 accumulators).
+ *
+ * Numerics: every product an FMA (exact product, float32 sum); exp2 by a degree-6 polynomial on [0, 1)
+ * (~1 ulp, ca_exp2_f32) instead of the bfloat16 path's degree-4 one (3e-6 relative is 25-50 ulp
+ * here); the output o / l by one division. Key blocks of CA_KB keys as for bfloat16 (packed K and V of
+ * 32 KiB each for D = 64: past L1 with the S and P buffers, yet 64-key blocks, which fit, measured 1-3 %
+ * slower at 1 and 2 threads, 32-key ones ~5 %: the products stream K and V from L2 well enough and a
+ * block's fixed costs halve). A row's sums run in the same order whatever its register block or work
+ * item, so the bitwise properties of the bfloat16 path hold here too.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -48,12 +67,14 @@
 
 #include "segserve_simd.h"
 
-enum { CA_DT_BF16 = 1 };
-enum { CA_ISA_AMX = 1, CA_ISA_AVX512_BF16 = 2 }; /* what computes Q K^T and P V (sg_chunk_attention_args.isa) */
+enum { CA_DT_BF16 = 1, CA_DT_F32 = 2 };
+/* What computes Q K^T and P V (sg_chunk_attention_args.isa): AMX or VDPBF16PS for bfloat16, AVX-512F
+ * FMAs for float32. */
+enum { CA_ISA_AMX = 1, CA_ISA_AVX512_BF16 = 2, CA_ISA_AVX512F = 3 };
 enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_BLOCK = -4,
        CA_ERR_LAYOUT = -5, CA_ERR_NO_AMX = -6, CA_ERR_NO_ISA = -7 };
 
-#define CA_MAX_D 128 /* head dim, a multiple of 32 (chunk_attention.MAX_HEAD_DIM) */
+#define CA_MAX_D 128 /* head dim, a multiple of 32 (of 16 for float32) (chunk_attention.MAX_HEAD_DIM) */
 #define CA_MAX_G 16  /* query heads per KV head (chunk_attention.MAX_QUERY_HEADS_PER_KV_HEAD) */
 /* Query tokens per work item, the most (halved for small steps): every item packs each K/V block it
  * walks, for its G * CA_TQ / 16 M tiles; 256 rather than 128 halves that per score (one 4,096-token
@@ -67,12 +88,12 @@ enum { CA_OK = 0, CA_ERR_SHAPE = -1, CA_ERR_NOMEM = -2, CA_ERR_ROW = -3, CA_ERR_
 
 typedef struct {
     int64_t size;               /* sizeof(sg_chunk_attention_args) */
-    int32_t dt;                 /* dtype of q, out and the cache: 1 (bfloat16) only */
-    int32_t isa;                /* CA_ISA_AMX (tiles) or CA_ISA_AVX512_BF16 (VDPBF16PS registers) */
+    int32_t dt;                 /* dtype of q, out and the cache: CA_DT_BF16 (1) or CA_DT_F32 (2) */
+    int32_t isa;                /* bfloat16: CA_ISA_AMX or CA_ISA_AVX512_BF16; float32: CA_ISA_AVX512F */
     int64_t n;                  /* chunks */
     int64_t Hq;                 /* query heads; head h*G + g uses KV head h, G = Hq / Hkv <= CA_MAX_G */
     int64_t Hkv;                /* KV heads */
-    int64_t D;                  /* head dim, a multiple of 32 up to CA_MAX_D */
+    int64_t D;                  /* head dim up to CA_MAX_D, a multiple of 32 (float32: of 16) */
     const void *q;              /* (T, >= Hq * D) rows, each contiguous (RoPE applied) */
     int64_t ldq;                /* row stride of q, elements */
     void *out;                  /* (T, Hq, D) contiguous */
@@ -141,16 +162,19 @@ CA_VEC static inline void ca_transpose16(__m512 r[16]) {
     }
 }
 
-static const uint16_t ca_zero_row[CA_MAX_D];
+static const float ca_zero_row[CA_MAX_D]; /* a zero row of either dtype */
 
-/* Cache rows (K or V of KV head h) of positions p0 .. p0 + count - 1 of a request; positions >= end
- * point at a zero row (the padding keys of a segment: their scores are masked, their values 0). The
- * block and offset advance with the position: one 64-bit division per call, not one per row. */
-static inline void ca_rows(const uint16_t **rows, int count, int64_t p0, int64_t end, const uint16_t *base,
-                           const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+/* Cache rows (K or V of KV head h; es bytes an element) of positions p0 .. p0 + count - 1 of a request;
+ * positions >= end point at a zero row (the padding keys of a segment: their scores are masked, their
+ * values 0). The block and offset advance with the position: one 64-bit division per call, not one per
+ * row. */
+static inline void ca_rows(const void **rows, int count, int64_t p0, int64_t end, const void *base,
+                           int64_t es, const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h,
+                           int64_t D) {
     int64_t b = p0 / block_size, off = p0 - b * block_size;
     for (int i = 0; i < count; i++) {
-        rows[i] = p0 + i < end ? base + (((int64_t)bt[b] * block_size + off) * Hkv + h) * D : ca_zero_row;
+        rows[i] = p0 + i < end ? (const char *)base + (((int64_t)bt[b] * block_size + off) * Hkv + h) * D * es
+                               : (const void *)ca_zero_row;
         if (++off == block_size) off = 0, b++;
     }
 }
@@ -161,12 +185,13 @@ static inline void ca_rows(const uint16_t **rows, int count, int64_t p0, int64_t
 CA_VEC static void ca_pack_k(uint16_t *kp, int64_t s0, int64_t nk, int64_t end, const uint16_t *kc,
                                 const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
     const int64_t KS = D / 32;
-    const uint16_t *rows[16];
+    const void *rows[16];
     for (int64_t j = 0; j < nk / 16; j++) {
-        ca_rows(rows, 16, s0 + 16 * j, end, kc, bt, block_size, Hkv, h, D);
+        ca_rows(rows, 16, s0 + 16 * j, end, kc, 2, bt, block_size, Hkv, h, D);
         for (int64_t ks = 0; ks < KS; ks++) {
             __m512 r[16];
-            for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[i] + 32 * ks));
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)rows[i] + 32 * ks));
             ca_transpose16(r);
             uint16_t *dst = kp + (j * KS + ks) * 512;
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + 32 * i, _mm512_castps_si512(r[i]));
@@ -185,17 +210,49 @@ CA_VEC static void ca_pack_v(uint16_t *vp, int64_t s0, int64_t nk, int64_t end, 
         hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
     }
     const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
-    const uint16_t *rows[32];
+    const void *rows[32];
     for (int64_t kk = 0; kk < nk / 32; kk++) {
-        ca_rows(rows, 32, s0 + 32 * kk, end, vc, bt, block_size, Hkv, h, D);
+        ca_rows(rows, 32, s0 + 32 * kk, end, vc, 2, bt, block_size, Hkv, h, D);
         uint16_t *dst = vp + kk * DT * 512;
         for (int r = 0; r < 16; r++) {
+            const uint16_t *r0 = (const uint16_t *)rows[2 * r], *r1 = (const uint16_t *)rows[2 * r + 1];
             for (int64_t c = 0; c < D / 32; c++) {
-                __m512i a = _mm512_loadu_si512(rows[2 * r] + 32 * c), b = _mm512_loadu_si512(rows[2 * r + 1] + 32 * c);
+                __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
                 _mm512_storeu_si512(dst + (2 * c) * 512 + 32 * r, _mm512_permutex2var_epi16(a, lo, b));
                 _mm512_storeu_si512(dst + (2 * c + 1) * 512 + 32 * r, _mm512_permutex2var_epi16(a, hi, b));
             }
         }
+    }
+}
+
+/* float32: K of positions s0 .. s0 + nk - 1 (nk a multiple of 16; those >= end are zero) transposed per
+ * group of 16 keys: group j at kp + j * 16 * D, row d = dim d of the group's 16 keys (16 x 16 transposes
+ * of the cache rows' 16-dim pieces). */
+CA_VEC static void ca_pack_k_f32(float *kp, int64_t s0, int64_t nk, int64_t end, const float *kc,
+                                 const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+    const void *rows[16];
+    for (int64_t j = 0; j < nk / 16; j++) {
+        ca_rows(rows, 16, s0 + 16 * j, end, kc, 4, bt, block_size, Hkv, h, D);
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps((const float *)rows[i] + d0);
+            ca_transpose16(r);
+            float *dst = kp + (j * D + d0) * 16;
+            for (int i = 0; i < 16; i++) _mm512_store_ps(dst + 16 * i, r[i]);
+        }
+    }
+}
+
+/* float32: V of positions s0 .. s0 + nk - 1 as its rows, contiguous: key k at vp + k * D (the rows of
+ * the cache are Hkv * D apart and their blocks scattered; packed, a key block's rows lie in one run). */
+CA_VEC static void ca_pack_v_f32(float *vp, int64_t s0, int64_t nk, int64_t end, const float *vc,
+                                 const int32_t *bt, int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+    const void *rows[16];
+    for (int64_t j = 0; j < nk / 16; j++) {
+        ca_rows(rows, 16, s0 + 16 * j, end, vc, 4, bt, block_size, Hkv, h, D);
+        for (int i = 0; i < 16; i++)
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(vp + (16 * j + i) * D + d, _mm512_loadu_ps((const float *)rows[i] + d));
     }
 }
 
@@ -220,11 +277,32 @@ CA_VEC static inline __m512 ca_exp2(__m512 x) {
     return _mm512_scalef_ps(p, x);
 }
 
-/* The kernel's exp2 on n floats (tests bound its error; n a multiple of 16 is not needed). */
-CA_VEC void sg_chunk_attention_exp2(const float *x, float *y, int64_t n) {
+/* 2^x for float32 lanes to ~1 ulp (x <= CA_SLACK here; the float32 path's exp): 2^floor(x) * p(f),
+ * f = x - floor(x) in [0, 1), p a degree-6 polynomial with p(0) = 1 fitted to 2^f for the least relative
+ * error (2.0e-9 in exact arithmetic; evaluated in float32 by Horner's FMAs, at most ~1.06 ulp of
+ * 2^f over [0, 1), mean 0.27: tests/kernels/test_chunk_attention_f32.py bounds it). Degree 5 fits to
+ * 8e-8, ~2.4 ulp evaluated: past the 1-2 ulp of a float32 library exp, which float32 SDPA uses; one more
+ * FMA per 16 probabilities is ~1 % of a tile's FMAs at D = 64. Very negative x underflow to 0 in
+ * VSCALEFPS, as ca_exp2's. */
+CA_VEC static inline __m512 ca_exp2_f32(__m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(2.1612927957903594e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2467842316254973e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675451554358006e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5485282093286514e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402293086051941e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931470632553101e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, x);
+}
+
+/* The kernel's exp2 on n floats, the bfloat16 path's (f32 = 0) or the float32 path's (f32 = 1), for tests
+ * that bound its error (n a multiple of 16 is not needed). */
+CA_VEC void sg_chunk_attention_exp2(const float *x, float *y, int64_t n, int32_t f32) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-        _mm512_mask_storeu_ps(y + i, k, ca_exp2(_mm512_maskz_loadu_ps(k, x + i)));
+        const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
+        _mm512_mask_storeu_ps(y + i, k, f32 ? ca_exp2_f32(v) : ca_exp2(v));
     }
 }
 
@@ -244,6 +322,7 @@ typedef struct ca_seg {
     uint16_t *kp, *vp; /* packed K, V of the key block */
     float *s;          /* [16 x CA_LDS] scores of the M tile at hand */
     uint16_t *p;       /* [16 x CA_LDP] its probabilities */
+    float *kf, *vf, *pf; /* the same three buffers as float32 (the float32 path's) */
 } ca_seg;
 
 /* S = Q K^T for keys 0 .. nk - 1 of the block (nk a multiple of 32) into sg->s. Q is the M tile
@@ -306,15 +385,34 @@ CA_TARGET static void ca_scores(const uint16_t *qt, int64_t D, int64_t nk, const
 
 static inline __mmask16 ca_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
-/* 32 probabilities 2^(s * c - m) (lanes at or past n: 0) to bfloat16 at p; returns their float32 sum. */
-CA_VEC static inline __m512 ca_exp32(const float *s, uint16_t *p, __m512 cv, __m512 mv, int64_t n, __m512 sum) {
-    __m512 e0 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s), cv, mv));
-    __m512 e1 = ca_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), cv, mv));
+/* The softmax below serves both dtypes: `f32` (a constant at every instantiation, the functions inlined
+ * into ca_softmax_bf16 and ca_softmax_f32) picks the exp and the type of P. */
+#define CA_INLINE static inline __attribute__((always_inline))
+
+/* 2^x by the exp of the path: ca_exp2_f32 for float32, ca_exp2 for bfloat16. */
+CA_VEC CA_INLINE __m512 ca_exp2_of(__m512 x, const int f32) { return f32 ? ca_exp2_f32(x) : ca_exp2(x); }
+
+/* Element i of a P row (bfloat16 or float32) at row start p. */
+CA_INLINE void *ca_p_at(void *p, int64_t i, const int f32) {
+    return f32 ? (void *)((float *)p + i) : (void *)((uint16_t *)p + i);
+}
+
+/* 32 probabilities 2^(s * c - m) (lanes at or past n: 0) to p, bfloat16 or (f32) float32; returns their
+ * float32 sum. */
+CA_VEC CA_INLINE __m512 ca_exp32(const float *s, void *p, __m512 cv, __m512 mv, int64_t n, __m512 sum,
+                                 const int f32) {
+    __m512 e0 = ca_exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(s), cv, mv), f32);
+    __m512 e1 = ca_exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), cv, mv), f32);
     if (n < 32) {
         e0 = _mm512_maskz_mov_ps(ca_lanes(n), e0);
         e1 = _mm512_maskz_mov_ps(ca_lanes(n - 16), e1);
     }
-    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* e0 in the low half */
+    if (f32) {
+        _mm512_storeu_ps((float *)p, e0);
+        _mm512_storeu_ps((float *)p + 16, e1);
+    } else {
+        _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)); /* e0 in the low half */
+    }
     return _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
 }
 
@@ -327,13 +425,14 @@ CA_VEC static inline void ca_add_sums(__m512 acc[16], float *l, __m512 a) {
     _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, sum));
 }
 
-/* Online softmax of the 16 rows: row r sees keys 0 .. vis[r] - 1 (>= 0) of nk. Writes P (bfloat16, 0
- * past vis) to sg->p, updates m (running max of S * c, c = scale * log2 e; CA_M0 before any key), l
+/* Online softmax of the 16 rows: row r sees keys 0 .. vis[r] - 1 (>= 0) of nk. Writes P (bfloat16 to
+ * sg->p, or float32 to sg->pf; 0 past vis), updates m (running max of S * c, c = scale * log2 e; CA_M0
+ * before any key), l
  * (running sum, of the float32 P) and returns each row's rescale factor of the running output in alpha.
  * The rows' maxima and sums are reduced together (a 16 x 16 transpose, then lane-wise), not row by row:
  * sixteen horizontal reductions and scalar exps per block would be a chain of latencies. */
-CA_VEC static __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg,
-                                            float *m, float *l, float alpha[16], int all) {
+CA_VEC CA_INLINE __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg,
+                                            float *m, float *l, float alpha[16], int all, const int f32) {
     const __m512 cv = _mm512_set1_ps(c);
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_set1_ps(-INFINITY);
@@ -356,15 +455,16 @@ CA_VEC static __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, floa
     const __m512 m_old = _mm512_loadu_ps(m), seen = _mm512_mul_ps(mx, cv);
     const __mmask16 moves = _mm512_cmp_ps_mask(seen, _mm512_add_ps(m_old, _mm512_set1_ps(CA_SLACK)), _CMP_GT_OQ);
     const __m512 m_new = _mm512_mask_mov_ps(m_old, moves, seen);
-    const __m512 a = ca_exp2(_mm512_sub_ps(m_old, m_new)); /* 1 where it stays, 0 from CA_M0 */
+    const __m512 a = ca_exp2_of(_mm512_sub_ps(m_old, m_new), f32); /* 1 where it stays, 0 from CA_M0 */
     _mm512_storeu_ps(m, m_new);
     _mm512_storeu_ps(alpha, a);
     for (int r = 0; r < 16; r++) {
         const float *s = sg->s + r * CA_LDS;
-        uint16_t *p = sg->p + r * CA_LDP;
+        void *p = f32 ? (void *)(sg->pf + r * CA_LDP) : (void *)(sg->p + r * CA_LDP);
         const __m512 mv = _mm512_set1_ps(m[r]);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = 0; k < nk; k += 32) sum = ca_exp32(s + k, p + k, cv, mv, vis[r] - k, sum);
+        for (int64_t k = 0; k < nk; k += 32)
+            sum = ca_exp32(s + k, ca_p_at(p, k, f32), cv, mv, vis[r] - k, sum, f32);
         acc[r] = sum;
     }
     ca_add_sums(acc, l, a);
@@ -382,8 +482,8 @@ CA_VEC static __mmask16 ca_softmax_2pass(const int64_t vis[16], int64_t nk, floa
  * (mostly to find it does not move). Needs c > 0: then the largest fl(s * c) is fl(max(s) * c), so the
  * test on the row's maximum is ca_softmax_2pass's. */
 #define CA_MOVE_P 240.0f /* 2^(CA_SLACK - 0.09): below any P of a score that moves the max */
-CA_VEC static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, float *m, float *l,
-                                            float alpha[16]) {
+CA_VEC CA_INLINE __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, float *m, float *l,
+                                            float alpha[16], const int f32) {
     const __m512 cv = _mm512_set1_ps(c), move_p = _mm512_set1_ps(CA_MOVE_P);
     const __m512 m_old = _mm512_loadu_ps(m);
     float limit[16];
@@ -392,10 +492,10 @@ CA_VEC static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, 
     __mmask16 moves = 0;
     for (int r = 0; r < 16; r++) {
         const float *s = sg->s + r * CA_LDS;
-        uint16_t *p = sg->p + r * CA_LDP;
+        void *p = f32 ? (void *)(sg->pf + r * CA_LDP) : (void *)(sg->p + r * CA_LDP);
         const __m512 mv = _mm512_set1_ps(m[r]);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t k = 0; k < nk; k += 32) sum = ca_exp32(s + k, p + k, cv, mv, 32, sum);
+        for (int64_t k = 0; k < nk; k += 32) sum = ca_exp32(s + k, ca_p_at(p, k, f32), cv, mv, 32, sum, f32);
         acc[r] = sum;
         if (!_mm512_cmp_ps_mask(sum, move_p, _CMP_GT_OQ)) continue;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -405,11 +505,12 @@ CA_VEC static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, 
             m[r] = _mm512_reduce_max_ps(mx) * c;
             const __m512 mn = _mm512_set1_ps(m[r]);
             sum = _mm512_setzero_ps();
-            for (int64_t k = 0; k < nk; k += 32) sum = ca_exp32(s + k, p + k, cv, mn, 32, sum);
+            for (int64_t k = 0; k < nk; k += 32)
+                sum = ca_exp32(s + k, ca_p_at(p, k, f32), cv, mn, 32, sum, f32);
             acc[r] = sum;
         }
     }
-    const __m512 a = ca_exp2(_mm512_sub_ps(m_old, _mm512_loadu_ps(m)));
+    const __m512 a = ca_exp2_of(_mm512_sub_ps(m_old, _mm512_loadu_ps(m)), f32);
     _mm512_storeu_ps(alpha, a);
     ca_add_sums(acc, l, a);
     return moves;
@@ -417,12 +518,22 @@ CA_VEC static __mmask16 ca_softmax_1pass(int64_t nk, float c, const ca_seg *sg, 
 
 /* The online softmax of one M tile over one key block (ca_softmax_2pass's contract); `first`: the
  * tile's first block (its running max not set yet). */
-CA_VEC static __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg, float *m,
-                                      float *l, float alpha[16], int first) {
+CA_VEC CA_INLINE __mmask16 ca_softmax(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg, float *m,
+                                      float *l, float alpha[16], int first, const int f32) {
     int all = 1; /* every row sees all nk keys */
     for (int r = 0; r < 16; r++) all &= vis[r] == nk;
-    if (all && !first && c > 0.0f) return ca_softmax_1pass(nk, c, sg, m, l, alpha);
-    return ca_softmax_2pass(vis, nk, c, sg, m, l, alpha, all);
+    if (all && !first && c > 0.0f) return ca_softmax_1pass(nk, c, sg, m, l, alpha, f32);
+    return ca_softmax_2pass(vis, nk, c, sg, m, l, alpha, all, f32);
+}
+
+/* ca_softmax for bfloat16 P (sg->p, ca_exp2) and for float32 P (sg->pf, ca_exp2_f32). */
+CA_VEC static __mmask16 ca_softmax_bf16(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg,
+                                        float *m, float *l, float alpha[16], int first) {
+    return ca_softmax(vis, nk, c, sg, m, l, alpha, first, 0);
+}
+CA_VEC static __mmask16 ca_softmax_f32(const int64_t vis[16], int64_t nk, float c, const ca_seg *sg,
+                                       float *m, float *l, float alpha[16], int first) {
+    return ca_softmax(vis, nk, c, sg, m, l, alpha, first, 1);
 }
 
 /* One key group's P V: P (32 keys of the 16 rows) into tile A, then the 2 or 4 dim tiles' products
@@ -615,16 +726,113 @@ CA_VEC static void ca_dp_pv(float *o, const float alpha[16], __mmask16 moves, in
     }
 }
 
-/* Prefetch into L2 the K and V rows of positions p0 .. p1 - 1 (the next key block, read while this
- * one is computed: the cache is strided by heads and its blocks scattered, beyond the prefetchers). */
-static inline void ca_prefetch(int64_t p0, int64_t p1, const uint16_t *kc, const uint16_t *vc, const int32_t *bt,
-                               int64_t block_size, int64_t Hkv, int64_t h, int64_t D) {
+/* ---- the float32 products (AVX-512F FMAs) --------------------------------------------------------
+ *
+ * Register blocks of broadcast x vector FMAs, 8 rows at a time (16 = 8 + 8): scores 8 rows x 48 keys
+ * (24 accumulators, 3 vector loads and 8 broadcast operands per 24 FMAs), P V 8 rows x 32 dims (16
+ * accumulators, 2 loads and 8 broadcasts per 16 FMAs). Each lane sums its products in dim (key) order.
+ * In L1 (a harness of the bare blocks, D = 64, one thread of this 2-vCPU Zen 5, whose FMA peak
+ * measured ~270-280 GFLOP/s with register operands only): scores 8 x 48 255-265 GFLOP/s (6 x 64 and
+ * 12 x 32 the same, 4 x 64 ~215); P V 8 x 32 262-267, 6 x 64 (6 + 6 + 4 rows, the VDPBF16PS form's
+ * shape) 235-240, its 4-row block ~210. */
+
+#define CA_F32_ROWS 8 /* rows per register block of either product */
+
+/* S rows 0 .. 7 (row stride CA_LDS) of key groups 0 .. NG - 1 (16 keys each) = Q rows at q (row stride
+ * D) times the transposed K at kp (group g's D dim rows of 16 keys at kp + g * 16 * D). NG <= 3, a
+ * constant at every call. */
+CA_VEC CA_INLINE void ca_f32_scores_block(const float *q, int64_t D, const float *kp, float *s,
+                                          const int NG) {
+    __m512 acc[CA_F32_ROWS][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < CA_F32_ROWS; r++)
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 k[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; g++) k[g] = _mm512_load_ps(kp + g * 16 * D + 16 * d);
+#pragma GCC unroll 8
+        for (int r = 0; r < CA_F32_ROWS; r++) {
+            const __m512 qr = _mm512_set1_ps(q[r * D + d]);
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; g++) acc[r][g] = _mm512_fmadd_ps(qr, k[g], acc[r][g]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < CA_F32_ROWS; r++)
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; g++) _mm512_storeu_ps(s + r * CA_LDS + 16 * g, acc[r][g]);
+}
+
+/* S = Q K^T for keys 0 .. nk - 1 of the block (nk a multiple of 32) into sg->s, float32: Q is the M tile
+ * [16 x D] (row stride D); keys in blocks of 48 (the last 32 or 16). */
+CA_VEC static void ca_f32_scores(const float *qt, int64_t D, int64_t nk, const ca_seg *sg) {
+    for (int r0 = 0; r0 < 16; r0 += CA_F32_ROWS) {
+        const float *q = qt + r0 * D;
+        float *s = sg->s + r0 * CA_LDS;
+        for (int64_t j0 = 0; j0 < nk / 16; j0 += 3) {
+            const float *k = sg->kf + j0 * 16 * D;
+            const int64_t left = nk / 16 - j0;
+            if (left >= 3) ca_f32_scores_block(q, D, k, s + 16 * j0, 3);
+            else if (left == 2) ca_f32_scores_block(q, D, k, s + 16 * j0, 2);
+            else ca_f32_scores_block(q, D, k, s + 16 * j0, 1);
+        }
+    }
+}
+
+/* o rows 0 .. 7 (row stride D), dim vectors 0 .. NT - 1 (16 dims each) += P V over keys 0 .. nk - 1:
+ * P rows at p (float32, row stride CA_LDP), V rows at vp (row stride D). NT <= 2, a constant at every
+ * call. */
+CA_VEC CA_INLINE void ca_f32_pv_block(float *o, int64_t D, const float *p, const float *vp, int64_t nk,
+                                      const int NT) {
+    __m512 acc[CA_F32_ROWS][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < CA_F32_ROWS; r++)
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_loadu_ps(o + r * D + 16 * t);
+    for (int64_t k = 0; k < nk; k++) {
+        __m512 v[2];
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) v[t] = _mm512_load_ps(vp + k * D + 16 * t);
+#pragma GCC unroll 8
+        for (int r = 0; r < CA_F32_ROWS; r++) {
+            const __m512 pr = _mm512_set1_ps(p[r * CA_LDP + k]);
+#pragma GCC unroll 2
+            for (int t = 0; t < NT; t++) acc[r][t] = _mm512_fmadd_ps(pr, v[t], acc[r][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < CA_F32_ROWS; r++)
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(o + r * D + 16 * t, acc[r][t]);
+}
+
+/* ca_pv's contract (o = o * alpha + P V over keys 0 .. nk - 1), float32 P (sg->pf) and V (sg->vf): dims
+ * in blocks of 32 (the last 16 when D is an odd multiple of 16). */
+CA_VEC static void ca_f32_pv(float *o, const float alpha[16], __mmask16 moves, int64_t D, int64_t nk,
+                             const ca_seg *sg) {
+    ca_rescale(o, alpha, moves, D);
+    for (int r0 = 0; r0 < 16; r0 += CA_F32_ROWS) {
+        const float *p = sg->pf + r0 * CA_LDP;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            if (D - d0 >= 32) ca_f32_pv_block(o + r0 * D + d0, D, p, sg->vf + d0, nk, 2);
+            else ca_f32_pv_block(o + r0 * D + d0, D, p, sg->vf + d0, nk, 1);
+        }
+    }
+}
+
+/* Prefetch into L2 the K and V rows (D elements of es bytes) of positions p0 .. p1 - 1 (the next key
+ * block, read while this one is computed: the cache is strided by heads and its blocks scattered, beyond
+ * the prefetchers). */
+static inline void ca_prefetch(int64_t p0, int64_t p1, const char *kc, const char *vc, const int32_t *bt,
+                               int64_t block_size, int64_t Hkv, int64_t h, int64_t D, int64_t es) {
     int64_t b = p0 / block_size, off = p0 - b * block_size;
     for (int64_t p = p0; p < p1; p++) {
-        const int64_t at = (((int64_t)bt[b] * block_size + off) * Hkv + h) * D;
-        for (int64_t d = 0; d < D; d += 32) {
-            _mm_prefetch((const char *)(kc + at + d), _MM_HINT_T1);
-            _mm_prefetch((const char *)(vc + at + d), _MM_HINT_T1);
+        const int64_t at = (((int64_t)bt[b] * block_size + off) * Hkv + h) * D * es;
+        for (int64_t d = 0; d < D * es; d += 64) {
+            _mm_prefetch(kc + at + d, _MM_HINT_T1);
+            _mm_prefetch(vc + at + d, _MM_HINT_T1);
         }
         if (++off == block_size) off = 0, b++;
     }
@@ -648,30 +856,33 @@ static inline int64_t ca_block_keys(int64_t pos0, int64_t nq, int64_t qt, int64_
 
 typedef struct ca_ws {
     ca_seg sg;
-    uint16_t *q;    /* [G * TQ/16 M tiles][16][D] the item's queries, zero rows past the chunk */
+    void *q;        /* [G * TQ/16 M tiles][16][D] the item's queries (q's dtype), zero rows past the chunk */
     float *o;       /* [M tiles][16][D] running outputs */
     float *m, *l;   /* [M tiles][16] running max (of S * c) and sum */
 } ca_ws;
 
 /* Chunk i, KV head h, query tokens t0 .. t1 - 1 of the chunk: segment by segment, block by block of
- * CA_KB keys (packed once for all the item's M tiles), each M tile's scores, softmax and P V, the
- * products on AMX tiles (`amx`, tiles configured) or in AVX-512 BF16 registers. */
+ * CA_KB keys (packed once for all the item's M tiles), each M tile's scores,
+ * softmax and P V, the products as a->isa says: on AMX tiles (tiles configured), in AVX-512 BF16
+ * registers, or (float32) in AVX-512F FMAs. */
 CA_VEC static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t h, int64_t t0, int64_t t1,
-                           int64_t seg, int amx, ca_ws *w) {
-    const int64_t D = a->D, G = a->Hq / a->Hkv, Hkv = a->Hkv, bs = a->block_size;
+                           int64_t seg, ca_ws *w) {
+    const int isa = a->isa, f32 = isa == CA_ISA_AVX512F;
+    const int64_t D = a->D, G = a->Hq / a->Hkv, Hkv = a->Hkv, bs = a->block_size, es = f32 ? 4 : 2;
     const int64_t prior = a->priors[i], row0 = a->starts[i];
     const int32_t *bt = a->block_table + a->reqs[i] * a->ld_bt;
-    const uint16_t *kc = (const uint16_t *)a->cache;
-    const uint16_t *vc = kc + a->num_blocks * bs * Hkv * D;
+    const char *kc = (const char *)a->cache;
+    const char *vc = kc + a->num_blocks * bs * Hkv * D * es;
     const int64_t nq = t1 - t0, nqt = (nq + 15) / 16, nm = G * nqt;
     const float c = a->scale * 1.44269504088896341f;
     for (int64_t g = 0; g < G; g++)
         for (int64_t qt = 0; qt < nqt; qt++)
             for (int64_t r = 0; r < 16; r++) {
                 int64_t t = t0 + qt * 16 + r;
-                uint16_t *dst = w->q + ((g * nqt + qt) * 16 + r) * D;
-                if (t < t1) memcpy(dst, (const uint16_t *)a->q + (row0 + t) * a->ldq + (h * G + g) * D, D * 2);
-                else memset(dst, 0, D * 2);
+                char *dst = (char *)w->q + ((g * nqt + qt) * 16 + r) * D * es;
+                if (t < t1)
+                    memcpy(dst, (const char *)a->q + ((row0 + t) * a->ldq + (h * G + g) * D) * es, D * es);
+                else memset(dst, 0, D * es);
             }
     memset(w->o, 0, sizeof(float) * nm * 16 * D);
     for (int64_t j = 0; j < nm * 16; j++) w->m[j] = CA_M0, w->l[j] = 0.0f;
@@ -680,9 +891,14 @@ CA_VEC static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t 
         const int64_t s1 = s0 + seg < end ? s0 + seg : end;
         for (int64_t b0 = s0; b0 < s1; b0 += CA_KB) {
             const int64_t b1 = b0 + CA_KB < s1 ? b0 + CA_KB : s1, np = (b1 - b0 + 31) / 32 * 32;
-            ca_pack_k(w->sg.kp, b0, np, b1, kc, bt, bs, Hkv, h, D);
-            ca_pack_v(w->sg.vp, b0, np, b1, vc, bt, bs, Hkv, h, D);
-            ca_prefetch(b1, b1 + CA_KB < end ? b1 + CA_KB : end, kc, vc, bt, bs, Hkv, h, D);
+            if (f32) {
+                ca_pack_k_f32(w->sg.kf, b0, np, b1, (const float *)kc, bt, bs, Hkv, h, D);
+                ca_pack_v_f32(w->sg.vf, b0, np, b1, (const float *)vc, bt, bs, Hkv, h, D);
+            } else {
+                ca_pack_k(w->sg.kp, b0, np, b1, (const uint16_t *)kc, bt, bs, Hkv, h, D);
+                ca_pack_v(w->sg.vp, b0, np, b1, (const uint16_t *)vc, bt, bs, Hkv, h, D);
+            }
+            ca_prefetch(b1, b1 + CA_KB < end ? b1 + CA_KB : end, kc, vc, bt, bs, Hkv, h, D, es);
             /* The M tiles that see this block: query tiles qlo .. nqt - 1 (a tile sees nothing of it when
              * its last row's position is before b0, causal), each for the G heads: tile ti is query tile
              * qlo + ti / G of head ti % G, its scores, softmax and P V in turn through one pair of S and
@@ -699,16 +915,24 @@ CA_VEC static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t 
             const int64_t ntl = (nqt - qlo) * G;
             for (int64_t ti = 0; ti < ntl; ti++) {
                 const int64_t qt = qlo + ti / G, g = ti % G, mt = g * nqt + qt;
-                const uint16_t *qm = w->q + mt * 16 * D;
+                const char *qm = (const char *)w->q + mt * 16 * D * es;
                 float *om = w->o + mt * 16 * D;
                 int64_t vis[16];
                 const int64_t nk = ca_block_keys(prior + t0, nq, qt, b0, b1, vis);
                 float alpha[16];
-                if (amx) ca_scores(qm, D, nk, &w->sg);
-                else ca_dp_scores(qm, D, nk, &w->sg);
-                const __mmask16 moves = ca_softmax(vis, nk, c, &w->sg, w->m + mt * 16, w->l + mt * 16, alpha, b0 == 0);
-                if (amx) ca_pv(om, alpha, moves, D, nk, &w->sg);
-                else ca_dp_pv(om, alpha, moves, D, nk, &w->sg);
+                float *m = w->m + mt * 16, *l = w->l + mt * 16;
+                if (f32) {
+                    ca_f32_scores((const float *)qm, D, nk, &w->sg);
+                    const __mmask16 moves = ca_softmax_f32(vis, nk, c, &w->sg, m, l, alpha, b0 == 0);
+                    ca_f32_pv(om, alpha, moves, D, nk, &w->sg);
+                } else {
+                    const uint16_t *qb = (const uint16_t *)qm;
+                    if (isa == CA_ISA_AMX) ca_scores(qb, D, nk, &w->sg);
+                    else ca_dp_scores(qb, D, nk, &w->sg);
+                    const __mmask16 moves = ca_softmax_bf16(vis, nk, c, &w->sg, m, l, alpha, b0 == 0);
+                    if (isa == CA_ISA_AMX) ca_pv(om, alpha, moves, D, nk, &w->sg);
+                    else ca_dp_pv(om, alpha, moves, D, nk, &w->sg);
+                }
             }
         }
     }
@@ -716,9 +940,16 @@ CA_VEC static void ca_item(const sg_chunk_attention_args *a, int64_t i, int64_t 
         for (int64_t qt = 0; qt < nqt; qt++)
             for (int64_t r = 0; r < 16 && t0 + qt * 16 + r < t1; r++) {
                 const int64_t mt = g * nqt + qt, t = t0 + qt * 16 + r;
-                const float inv = 1.0f / w->l[mt * 16 + r];
                 const float *o = w->o + (mt * 16 + r) * D;
-                uint16_t *dst = (uint16_t *)a->out + ((row0 + t) * a->Hq + h * G + g) * D;
+                const int64_t at = ((row0 + t) * a->Hq + h * G + g) * D;
+                if (f32) { /* one rounding: o / l, not o * (1 / l) */
+                    const __m512 lv = _mm512_set1_ps(w->l[mt * 16 + r]);
+                    for (int64_t d = 0; d < D; d += 16)
+                        _mm512_storeu_ps((float *)a->out + at + d, _mm512_div_ps(_mm512_loadu_ps(o + d), lv));
+                    continue;
+                }
+                const float inv = 1.0f / w->l[mt * 16 + r];
+                uint16_t *dst = (uint16_t *)a->out + at;
                 for (int64_t d = 0; d < D; d += 32) {
                     __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv));
                     __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(o + d + 16), _mm512_set1_ps(inv));
@@ -748,7 +979,7 @@ CA_TARGET static void ca_tile_release(void) { _tile_release(); }
 
 CA_VEC static int ca_run(const sg_chunk_attention_args *a) {
     const int amx = a->isa == CA_ISA_AMX;
-    const int64_t n = a->n, Hkv = a->Hkv, D = a->D, G = a->Hq / a->Hkv;
+    const int64_t n = a->n, Hkv = a->Hkv, D = a->D, G = a->Hq / a->Hkv, es = a->dt == CA_DT_F32 ? 4 : 2;
     int64_t seg = a->seg, longest = 0, threads = omp_get_max_threads(), tq = CA_TQ;
     for (int64_t i = 0; i < n; i++)
         if (a->priors[i] + a->qlens[i] > longest) longest = a->priors[i] + a->qlens[i];
@@ -774,11 +1005,12 @@ CA_VEC static int ca_run(const sg_chunk_attention_args *a) {
 #pragma omp parallel
     {
         ca_ws w;
-        w.sg.kp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
-        w.sg.vp = (uint16_t *)aligned_alloc(64, CA_KB * D * 2);
+        w.sg.kp = (uint16_t *)aligned_alloc(64, CA_KB * D * es); /* room for either path's block */
+        w.sg.vp = (uint16_t *)aligned_alloc(64, CA_KB * D * es);
         w.sg.s = (float *)aligned_alloc(64, 16 * CA_LDS * 4); /* one M tile's (see ca_item) */
-        w.sg.p = (uint16_t *)aligned_alloc(64, 16 * CA_LDP * 2);
-        w.q = (uint16_t *)aligned_alloc(64, nm * 16 * D * 2);
+        w.sg.p = (uint16_t *)aligned_alloc(64, 16 * CA_LDP * es);
+        w.sg.kf = (float *)w.sg.kp, w.sg.vf = (float *)w.sg.vp, w.sg.pf = (float *)w.sg.p;
+        w.q = aligned_alloc(64, nm * 16 * D * es);
         w.o = (float *)aligned_alloc(64, nm * 16 * D * 4);
         w.m = (float *)malloc(nm * 16 * 4);
         w.l = (float *)malloc(nm * 16 * 4);
@@ -797,7 +1029,7 @@ CA_VEC static int ca_run(const sg_chunk_attention_args *a) {
             const int64_t i = lo, local = it - first[i], tiles = (first[i + 1] - first[i]) / Hkv;
             const int64_t qt = tiles - 1 - local / Hkv, h = local % Hkv; /* last query tiles first */
             const int64_t t0 = qt * tq, t1 = t0 + tq < a->qlens[i] ? t0 + tq : a->qlens[i];
-            ca_item(a, i, h, t0, t1, seg, amx, &w);
+            ca_item(a, i, h, t0, t1, seg, &w);
         }
         if (ok && amx) ca_tile_release();
         free(w.sg.kp); free(w.sg.vp); free(w.sg.s); free(w.sg.p);
@@ -811,18 +1043,22 @@ CA_VEC static int ca_run(const sg_chunk_attention_args *a) {
  * queries are q rows starts[i] .. starts[i] + qlens[i] - 1 at positions priors[i] .. priors[i] + qlens[i]
  * - 1; each sees the keys at positions up to its own (its chunk's K/V already written to the cache).
  * Writes those rows of out (other rows untouched). Everything read is checked first (ca_check).
- * Q K^T and P V run on AMX tiles (isa CA_ISA_AMX) or in AVX-512 BF16 registers (CA_ISA_AVX512_BF16).
- * Returns CA_OK, CA_ERR_LAYOUT, CA_ERR_SHAPE (also for another isa), CA_ERR_ROW, CA_ERR_BLOCK,
- * CA_ERR_NO_AMX (isa AMX without granted tiles), CA_ERR_NO_ISA (isa AVX512_BF16 on a CPU without it) or
- * CA_ERR_NOMEM. */
+ * bfloat16 (dt CA_DT_BF16): Q K^T and P V run on AMX tiles (isa CA_ISA_AMX) or in AVX-512 BF16 registers
+ * (CA_ISA_AVX512_BF16); float32 (CA_DT_F32): in AVX-512F registers (isa CA_ISA_AVX512F, D a multiple of
+ * 16). Returns CA_OK, CA_ERR_LAYOUT, CA_ERR_SHAPE (also for another dt, or an isa the dt has not),
+ * CA_ERR_ROW, CA_ERR_BLOCK, CA_ERR_NO_AMX (isa AMX without granted tiles), CA_ERR_NO_ISA (isa
+ * AVX512_BF16 or AVX512F on a CPU without it) or CA_ERR_NOMEM. */
 int sg_chunk_attention(const sg_chunk_attention_args *a) {
     if (a->size != (int64_t)sizeof *a) return CA_ERR_LAYOUT;
-    if (a->dt != CA_DT_BF16 || a->Hkv < 1 || a->D % 32 || a->D < 32 || a->D > CA_MAX_D || a->Hq % a->Hkv ||
-        a->Hq / a->Hkv > CA_MAX_G || a->seg < 1 || a->n < 0)
+    const int f32 = a->dt == CA_DT_F32, dmul = f32 ? 16 : 32;
+    if ((a->dt != CA_DT_BF16 && !f32) || a->Hkv < 1 || a->D % dmul || a->D < dmul || a->D > CA_MAX_D ||
+        a->Hq % a->Hkv || a->Hq / a->Hkv > CA_MAX_G || a->seg < 1 || a->n < 0)
         return CA_ERR_SHAPE;
-    if (a->isa != CA_ISA_AMX && a->isa != CA_ISA_AVX512_BF16) return CA_ERR_SHAPE;
+    if (f32 ? a->isa != CA_ISA_AVX512F : a->isa != CA_ISA_AMX && a->isa != CA_ISA_AVX512_BF16)
+        return CA_ERR_SHAPE;
     if (a->isa == CA_ISA_AMX && !sg_amx_granted()) return CA_ERR_NO_AMX;
     if (a->isa == CA_ISA_AVX512_BF16 && !__builtin_cpu_supports("avx512bf16")) return CA_ERR_NO_ISA;
+    if (a->isa == CA_ISA_AVX512F && !__builtin_cpu_supports("avx512f")) return CA_ERR_NO_ISA;
     int rc = ca_check(a);
     return rc != CA_OK || a->n == 0 ? rc : ca_run(a);
 }
