@@ -4,9 +4,10 @@ Prefills one prompt (``--prompt-len``, default 4,096) through ``LLM.generate`` a
 (default: the offline ``LLM``'s own default, then 4,096) and times, with ``time.perf_counter`` around
 each call (no profiler: the compiled kernels are ctypes calls it would not see), the pieces of
 ``CpuStep``'s chunk path: every tile GEMM (AMX, or ``bf16gemm`` without AMX) by weight shape (with its
-GFLOP/s), oneDNN GEMMs, attention
-(RoPE + KV write + chunk attention), the fused residual-add + RMSNorm passes, the SiLU gate when it is
-not fused, the embedding, the LM head and sampling; what is left of each step's wall time is Python,
+GFLOP/s), oneDNN GEMMs, attention (RoPE + KV write + chunk attention; where the AMX QKV GEMM rotates
+and writes the KV in its stores, as bfloat16 chunk steps do on AMX, those two are inside "gemm qkv"),
+the fused residual-add + RMSNorm passes, the SiLU gate when it is not fused, the embedding, the LM head
+and sampling; what is left of each step's wall time is Python,
 scheduling and input building. Padding waste is the padded rows' share of the step's rows. Then the
 register-only peak of the tile GEMM that runs (``amx.peak``, else ``bf16gemm.peak``) on the same
 threads, for the GEMMs' share of it.
@@ -45,6 +46,7 @@ class Timers:
         self.flops: dict[str, float] = defaultdict(float)
         self.rows = self.padded_rows = 0
         self.on = False
+        self.active: set[str] = set()  # names whose timed call is running (a nested one is not timed again)
 
     def wrap(self, owner, attr: str, kind) -> None:
         """Replace ``owner.attr`` by a timed call; ``kind(args, kwargs)`` -> (name, flops)."""
@@ -53,9 +55,15 @@ class Timers:
         def timed(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
             name, flops = kind(args, kwargs)
+            if name in self.active:  # inside a call already timed under this name
+                return fn(*args, **kwargs)
+            self.active.add(name)
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.active.discard(name)
             self.seconds[name] += time.perf_counter() - t0
             self.flops[name] += flops
             return out
@@ -95,6 +103,9 @@ def install(t: Timers) -> None:
     from segserve.models import llama
 
     t.wrap(llama.LlamaAttention, "attend", lambda a, k: ("attend (rope+kv+attn)", 0.0))
+    # The fused chunk path (AMX QKV GEMM with RoPE and the KV write in its stores) calls attend_rotated
+    # directly; attend calls it too, so it is timed only outside attend (one key for both).
+    t.wrap(llama.LlamaAttention, "attend_rotated", lambda a, k: ("attend (rope+kv+attn)", 0.0))
     t.wrap(torch.nn.Embedding, "forward", lambda a, k: ("embedding", 0.0))
     t.wrap(cpu_step.CpuStep, "compute_logits",
            lambda a, k: ("lm head", 2.0 * a[1].shape[0] * a[1].shape[1] * a[0].model.config.vocab_size))
