@@ -19,12 +19,14 @@ batch; ``--offline-repeats`` batches of fresh prompts per engine, the median tim
 serve`` random 256 +- 50 % -> 64 at ``--request-rate``, plus batch-1 TPOT through the server),
 ``prefix`` (``vllm bench serve --dataset-name prefix_repetition``) and ``stall`` (8 streams decoding
 while a 4,096-token prompt arrives; segserve's streaming client against both servers). Offline runs
-go through ``benchmarks/vs_vllm_driver.py`` in a subprocess (vLLM's venv / this interpreter). With both
-engines selected the offline group runs interleaved (``--sequential`` turns it off): both drivers are
-loaded side by side and each workload's repeats alternate between them (A B, B A, A B, ...), one
-engine working while the other waits idle, so a phase of the shared host (its memory bandwidth moved
-45-90 GB/s within minutes on 2026-12-05) falls on both engines' figures alike instead of deciding a
-ratio. Servers are ``segserve serve`` and ``vllm serve``, one at a time.
+go through ``benchmarks/vs_vllm_driver.py`` in a subprocess (vLLM's venv / this interpreter); servers are
+``segserve serve`` and ``vllm serve``. With both engines selected both groups run interleaved
+(``--sequential`` turns it off): both drivers, or both servers, are loaded side by side; the offline
+workloads' repeats alternate between the drivers (A B, B A, A B, ...) and each server workload runs on
+one server, then the other (the first changing from workload to workload), one engine working while
+the other waits idle, so a phase of the shared host (its memory bandwidth moved 45-90 GB/s within
+minutes on 2026-12-05; on an AMX Xeon on 2026-12-06 a 4,096-token prefill took 1.15-2.6 s by the
+minute) falls on both engines' figures alike instead of deciding a ratio.
 
 Prints a row per figure (segserve, vLLM, ratio, issue 12's goal, pass/fail), one summary line, and
 keeps everything in ``--json`` (rewritten after every run; ``--resume`` skips what it holds). Quote
@@ -52,6 +54,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +73,7 @@ WORKLOADS = ("prefill", "offline", "decode", "serve", "prefix", "stall")
 OFFLINE_GROUP, SERVER_GROUP = ("prefill", "offline", "decode"), ("serve", "prefix", "stall")
 DTYPES = ("float32", "bfloat16")
 ENGINES = ("segserve", "vllm")
-PAIR = "segserve+vllm"  # the engine of an interleaved offline unit: both drivers loaded, turns alternating
+PAIR = "segserve+vllm"  # the engine of an interleaved unit: both drivers (servers) loaded, turns alternating
 SERVED_NAME = "smol"
 BROKEN_BESIDE_LOCAL_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
@@ -110,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and estimated time, run nothing")
     p.add_argument("--setup-only", action="store_true", help="set up the venv and the HF dir, then exit")
     p.add_argument("--sequential", action="store_true",
-                   help="offline group engine after engine, each in its own process in turn (the default "
-                   "with both engines: both loaded, their requests alternating)")
+                   help="engine after engine, each in its own process (or server) in turn (the default "
+                   "with both engines: both loaded side by side, their turns alternating)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-load", type=float, default=None,
                    help="before each run, wait until the 1-min load average is below this")
@@ -395,7 +399,7 @@ def plan(args: argparse.Namespace, done: dict | None = None) -> list[Unit]:
     units = []
     for group, members in (("offline", OFFLINE_GROUP), ("server", SERVER_GROUP)):
         for dtype in args.dtype:
-            paired = group == "offline" and interleaved(args)
+            paired = interleaved(args)
             for engine in (PAIR,) if paired else args.engines:
                 engines = ENGINES if engine == PAIR else (engine,)
                 todo = tuple(w for w in members if w in args.only and not all(
@@ -407,7 +411,7 @@ def plan(args: argparse.Namespace, done: dict | None = None) -> list[Unit]:
 
 
 def interleaved(args: argparse.Namespace) -> bool:
-    """Whether the offline group runs both engines side by side, requests alternating."""
+    """Whether both groups run both engines side by side, turns alternating."""
     return not getattr(args, "sequential", False) and set(args.engines) == set(ENGINES)
 
 
@@ -817,8 +821,11 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_server(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path) -> dict[str, dict]:
-    """Start the engine's server, warm it with one request, run the unit's workloads, stop it."""
+@contextmanager
+def served(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path
+           ) -> Iterator[tuple[str, subprocess.Popen] | None]:
+    """``unit.engine``'s server at ``unit.dtype``, started and warmed with one request: yields its base URL
+    and process, or None when it did not come up (said, with its log); stopped on leaving."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = server_command(unit.engine, unit.dtype, port, args)
@@ -836,21 +843,64 @@ def run_server(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path
                 _stream(base, [random_ids(512, args.seed + 9999, args.vocab_size)], [4], [0.0])
             except RuntimeError as exc:
                 print(f"  {unit.engine} {unit.dtype} server: {exc} (log: {log_path})", flush=True)
-                return {}
-            return server_workloads(base, unit, args, log_dir)
+                yield None
+                return
+            yield base, proc
         finally:
             stop(proc)
+
+
+def run_server(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path) -> dict[str, dict]:
+    """Start the engine's server, warm it with one request, run the unit's workloads, stop it."""
+    with served(unit, args, record, log_dir) as up:
+        return {} if up is None else server_workloads(up[0], unit, args, log_dir)
 
 
 def server_workloads(base: str, unit: Unit, args: argparse.Namespace, log_dir: Path) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for key, fn in (x for w in unit.workloads for x in SERVER_WORKLOADS[w]):
-        try:
-            out[key] = timed_run(lambda fn=fn: fn(base, unit, args, log_dir))
-        except RuntimeError as exc:  # one failed workload leaves the others to run
-            print(f"  {unit.engine} {unit.dtype} {key} failed: {exc}", flush=True)
-            continue
-        print(f"  {unit.engine} {unit.dtype} {key}: {brief(key, out[key])}", flush=True)
+        got = server_workload(key, fn, base, unit, args, log_dir)
+        if got is not None:
+            out[key] = got
+    return out
+
+
+def server_workload(key: str, fn: Any, base: str, unit: Unit, args: argparse.Namespace, log_dir: Path
+                    ) -> dict | None:
+    """One server workload's result (printed), or None when it failed (said; the others still run)."""
+    try:
+        got = timed_run(lambda: fn(base, unit, args, log_dir))
+    except RuntimeError as exc:
+        print(f"  {unit.engine} {unit.dtype} {key} failed: {exc}", flush=True)
+        return None
+    print(f"  {unit.engine} {unit.dtype} {key}: {brief(key, got)}", flush=True)
+    return got
+
+
+def run_servers_interleaved(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path
+                            ) -> dict[str, dict[str, dict]]:
+    """Both engines' servers up side by side, each server workload run on one and then the other, the
+    first engine changing from workload to workload (A B, B A, ...), each turn once the other server's
+    processes have gone quiet; returns results by engine and key, in ``run_server``'s shapes. vLLM's
+    server starts first, so that segserve's start-up (with ``--calibrate``, a timed calibration) runs
+    while vLLM's sits idle. An engine whose server did not come up is left out."""
+    out: dict[str, dict[str, dict]] = {e: {} for e in ENGINES}
+    with ExitStack() as stack:
+        ups: dict[str, tuple[str, subprocess.Popen]] = {}
+        for engine in ENGINES[::-1]:
+            for _, proc in ups.values():
+                wait_idle(proc.pid)
+            one = Unit(engine, unit.dtype, unit.group, unit.workloads)
+            up = stack.enter_context(served(one, args, record, log_dir))
+            if up is not None:
+                ups[engine] = up
+        for turn, (key, fn) in enumerate(x for w in unit.workloads for x in SERVER_WORKLOADS[w]):
+            for engine in (e for e in (ENGINES if turn % 2 == 0 else ENGINES[::-1]) if e in ups):
+                waited = max((wait_idle(p.pid) for e, (_, p) in ups.items() if e != engine), default=0.0)
+                one = Unit(engine, unit.dtype, unit.group, unit.workloads)
+                got = server_workload(key, fn, ups[engine][0], one, args, log_dir)
+                if got is not None:
+                    out[engine][key] = got | {"interleaved": True, "waited_idle_s": waited}
     return out
 
 
@@ -1260,8 +1310,10 @@ def run_unit(unit: Unit, args: argparse.Namespace, record: dict, log_dir: Path) 
     print(f"== {unit.engine} {unit.dtype} {unit.group}: {','.join(unit.workloads)} "
           f"(~{estimate_s(unit, args) / 60:.0f} min) load {load_avg()}", flush=True)
     before, t0, ticks = load_avg(), time.perf_counter(), cpu_times()
-    if unit.engine == PAIR:
+    if unit.engine == PAIR and unit.group == "offline":
         by_engine = run_offline_interleaved(unit, args, record)
+    elif unit.engine == PAIR:
+        by_engine = run_servers_interleaved(unit, args, record, log_dir)
     elif unit.group == "offline":
         by_engine = {unit.engine: run_offline(unit, args, record)}
     else:

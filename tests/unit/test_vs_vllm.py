@@ -148,14 +148,17 @@ def test_plan_resumes_and_estimates(vs):
     assert vs.plan(only) == [vs.Unit("segserve", "bfloat16", "server", ("stall",))]
 
 
-def test_offline_group_is_interleaved_by_default(vs):
-    """Both engines selected: one offline unit per dtype runs both drivers side by side; its workloads
-    are left out on resume only when both engines hold all their results."""
+def test_both_groups_are_interleaved_by_default(vs):
+    """Both engines selected: one offline unit per dtype runs both drivers side by side, and one server
+    unit both servers; a unit's workloads are left out on resume only when both engines hold all their
+    results."""
     args = vs.parse_args(["--dtype", "bfloat16", "--decode-batches", "1,8"])
     units = vs.plan(args)
-    assert [(u.engine, u.group) for u in units] == [
-        ("segserve+vllm", "offline"), ("segserve", "server"), ("vllm", "server")]
+    assert [(u.engine, u.group) for u in units] == [("segserve+vllm", "offline"), ("segserve+vllm", "server")]
     assert units[0].workloads == ("prefill", "offline", "decode")
+    assert units[1].workloads == ("serve", "prefix", "stall")
+    seg = vs.estimate_s(vs.Unit("segserve", "bfloat16", "server", units[1].workloads), args)
+    assert vs.estimate_s(units[1], args) == 2 * seg - vs.SEGSERVE_START_S + vs.VLLM_START_S
     done = {"segserve": {"bfloat16": {"prefill": {}, "offline": {}, "decode_b1": {}, "decode_b8": {}}},
             "vllm": {"bfloat16": {"prefill": {}, "offline": {}, "decode_b1": {}}}}
     assert vs.plan(args, done)[0] == vs.Unit("segserve+vllm", "bfloat16", "offline", ("decode",))
@@ -292,6 +295,64 @@ def test_vllm_preloads_tcmalloc_then_intel_openmp(vs, monkeypatch, tmp_path):
     env = vs.vllm_env(vs.parse_args(["--vllm-venv", str(tmp_path)]))
     assert env["LD_PRELOAD"] == f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{iomp}"
     assert "LD_PRELOAD" not in vs.engine_env("segserve", vs.parse_args(["--vllm-venv", str(tmp_path)]))
+
+
+def test_interleaved_servers_alternate_per_workload_after_the_other_goes_quiet(vs, monkeypatch):
+    """Both servers up (vLLM's first, then segserve's once vLLM is quiet); each server workload runs on
+    both, the first engine changing from workload to workload, each turn after waiting for the other
+    server; a failed workload leaves the rest to run."""
+    from contextlib import contextmanager
+
+    events = []
+
+    @contextmanager
+    def served(unit, args, record, log_dir):
+        events.append(("start", unit.engine))
+        yield f"http://{unit.engine}", SimpleNamespace(pid={"segserve": 1, "vllm": 2}[unit.engine])
+        events.append(("stop", unit.engine))
+
+    def workload(key):
+        def run(base, unit, args, log_dir):
+            assert base == f"http://{unit.engine}"
+            events.append((key, unit.engine))
+            if key == "prefix" and unit.engine == "vllm":
+                raise RuntimeError("bench client failed")
+            return {"median_ttft_ms": 1.0}
+        return run
+
+    monkeypatch.setattr(vs, "served", served)
+    monkeypatch.setattr(vs, "wait_idle", lambda pid: events.append(("wait", pid)) or 0.5)
+    monkeypatch.setattr(vs, "SERVER_WORKLOADS", {
+        "serve": (("serve", workload("serve")), ("server_tpot", workload("server_tpot"))),
+        "prefix": (("prefix", workload("prefix")),), "stall": (("stall", workload("stall")),)})
+    unit = vs.Unit(vs.PAIR, "bfloat16", "server", ("serve", "prefix", "stall"))
+    out = vs.run_servers_interleaved(unit, SimpleNamespace(), {}, Path("."))
+    assert events == [
+        ("start", "vllm"), ("wait", 2), ("start", "segserve"),
+        ("wait", 2), ("serve", "segserve"), ("wait", 1), ("serve", "vllm"),
+        ("wait", 1), ("server_tpot", "vllm"), ("wait", 2), ("server_tpot", "segserve"),
+        ("wait", 2), ("prefix", "segserve"), ("wait", 1), ("prefix", "vllm"),
+        ("wait", 1), ("stall", "vllm"), ("wait", 2), ("stall", "segserve"),
+        ("stop", "segserve"), ("stop", "vllm")]
+    assert sorted(out["segserve"]) == ["prefix", "serve", "server_tpot", "stall"]
+    assert sorted(out["vllm"]) == ["serve", "server_tpot", "stall"]  # its prefix run failed
+    assert out["vllm"]["stall"]["interleaved"] is True and out["vllm"]["stall"]["waited_idle_s"] == 0.5
+
+
+def test_interleaved_servers_go_on_with_the_one_that_came_up(vs, monkeypatch):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def served(unit, args, record, log_dir):
+        yield None if unit.engine == "vllm" else ("http://segserve", SimpleNamespace(pid=1))
+
+    monkeypatch.setattr(vs, "served", served)
+    monkeypatch.setattr(vs, "wait_idle", lambda pid: 0.0)
+    monkeypatch.setattr(vs, "SERVER_WORKLOADS", {"stall": (("stall", lambda *a: {"max_itl_ms": 2.0}),)})
+    out = vs.run_servers_interleaved(vs.Unit(vs.PAIR, "float32", "server", ("stall",)), SimpleNamespace(), {},
+                                     Path("."))
+    assert out["vllm"] == {} and list(out["segserve"]) == ["stall"]
+    assert out["segserve"]["stall"]["max_itl_ms"] == 2.0 and out["segserve"]["stall"]["waited_idle_s"] == 0.0
 
 
 def test_a_turn_waits_until_the_other_engine_is_quiet(vs):
