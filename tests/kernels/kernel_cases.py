@@ -129,3 +129,18 @@ def walk_oracle(case: Case, cache: torch.Tensor) -> torch.Tensor:
             md.kv_segment_size, case.scale,
         )
     return out
+
+
+def at_thread_counts(run, *counts: int) -> list:
+    """``run()`` once at each of ``counts`` torch / OpenMP thread counts (in order), the caller's count
+    restored after: the kernels' same-bits-at-any-thread-count tests."""
+    old = torch.get_num_threads()
+    try:
+        out = []
+        for n in counts:
+            torch.set_num_threads(n)
+            out.append(run())
+        return out
+    finally:
+        torch.set_num_threads(old)
+

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import chunk_tensors, make_case, sdpa_oracle
+from kernel_cases import at_thread_counts, chunk_tensors, make_case, sdpa_oracle
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.segmented import SegmentedAttentionBackend
@@ -206,14 +206,7 @@ def test_one_and_two_threads_give_the_same_bits(query_lens: list[int], priors: l
     where they cut a small step into different work items (40 tokens: 32-token items at 1 thread,
     16-token ones at 2)."""
     case = make_case(query_lens, priors, block_size=16, seg=512, dtype=torch.bfloat16, seed=8)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run_kernel(case)
-        torch.set_num_threads(2)
-        two = _run_kernel(case)
-    finally:
-        torch.set_num_threads(old)
+    one, two = at_thread_counts(lambda: _run_kernel(case), 1, 2)
     n = sum(query_lens)
     assert torch.equal(one[:n], two[:n])
     assert torch.count_nonzero(one[:n]) > 0

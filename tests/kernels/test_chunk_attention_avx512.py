@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import chunk_tensors, make_case
+from kernel_cases import at_thread_counts, chunk_tensors, make_case
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.reference import ReferenceAttentionBackend
@@ -87,14 +87,7 @@ def test_other_head_shapes_match_the_reference(heads: tuple[int, int], head_dim:
 def test_one_and_two_threads_give_the_same_bits() -> None:
     """A row's pairs are summed in one order whatever its register block or work item."""
     case = make_case([600, 37, 257], [300, 1029, 0], block_size=16, seg=512, dtype=torch.bfloat16, seed=8)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _kernel(case, 512)
-        torch.set_num_threads(2)
-        two = _kernel(case, 512)
-    finally:
-        torch.set_num_threads(old)
+    one, two = at_thread_counts(lambda: _kernel(case, 512), 1, 2)
     assert torch.equal(one, two)
     assert torch.count_nonzero(one) > 0
 

@@ -17,7 +17,7 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import chunk_tensors, contiguous_prior, make_case, sdpa_oracle
+from kernel_cases import at_thread_counts, chunk_tensors, contiguous_prior, make_case, sdpa_oracle
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.segmented import SegmentedAttentionBackend
@@ -196,14 +196,7 @@ def test_a_long_chunk_equals_its_rows_attended_16_at_a_time_bitwise() -> None:
 )
 def test_one_and_two_threads_give_the_same_bits(query_lens: list[int], priors: list[int]) -> None:
     case = _case(query_lens, priors, seed=8)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run_kernel(case)
-        torch.set_num_threads(2)
-        two = _run_kernel(case)
-    finally:
-        torch.set_num_threads(old)
+    one, two = at_thread_counts(lambda: _run_kernel(case), 1, 2)
     n = sum(query_lens)
     assert torch.equal(one[:n], two[:n])
     assert torch.count_nonzero(one[:n]) > 0
