@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from segserve.engine.llm_engine import LLMEngine, PromptType
+from segserve.engine.llm_engine import LLMEngine, PromptType, prompt_type_error
 from segserve.outputs import RequestOutput
 from segserve.sampling_params import SamplingParams
 
@@ -290,7 +290,10 @@ def render_chat(
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
+    try:
+        prompts = list(prompts)
+    except TypeError:  # None, a number: not a prompt nor a list of them
+        raise prompt_type_error(prompts) from None
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
     if not prompts:

@@ -93,6 +93,12 @@ def auto_dtype(model: str | LoadedModel | None) -> torch.dtype:
     return torch.bfloat16 if name in ("bfloat16", "float16") else torch.float32
 
 
+def prompt_type_error(prompt: object) -> ValueError:
+    """The error for a prompt of a type no entry point takes, naming that type."""
+    kind = type(prompt).__name__
+    return ValueError(f"a prompt must be a string, a list of token ids or a dict, got {kind}")
+
+
 class LLMEngine:
     """The offline/online engine core loop.
 
@@ -205,9 +211,7 @@ class LLMEngine:
                                      f"character {bad}, which is not valid Unicode text") from None
                 raise ValueError(f"prompt text cannot be tokenized: {exc}") from None
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(
-                f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-            )
+            raise prompt_type_error(prompt)
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt is empty (0 tokens); at least 1 token is needed")

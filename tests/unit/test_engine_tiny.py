@@ -202,6 +202,12 @@ def test_bad_prompt_types_get_clear_errors(tiny, prompt, message):
     )
     assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
     assert not llm.llm_engine.has_unfinished_requests()
+    # LLM.generate given no prompt list at all names the type, as add_request does (was: "'NoneType'
+    # object is not iterable", a README-only trial, 2026-12-06), and queues nothing.
+    if prompt is None or isinstance(prompt, int):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_n_gt_1_child_id_collision_names_the_request_and_harms_nothing(tiny):
