@@ -120,6 +120,15 @@ def build_attention_metadata(
     )
 
 
+def check_real_rows(metadata: AttentionMetadata, rows: Sequence[int], name: str = "row") -> None:
+    """Raise ``ValueError`` naming the first of ``rows`` that is not a real row of the step (negative, or
+    not below ``num_actual_tokens``: padding rows are not real), as "``name`` <row> is not a real row..."."""
+    n = metadata.num_actual_tokens
+    bad = next((r for r in rows if not 0 <= r < n), None)
+    if bad is not None:
+        raise ValueError(f"{name} {bad} is not a real row of the step (0 <= row < {n})")
+
+
 def decode_view(metadata: AttentionMetadata, rows: Sequence[int]) -> AttentionMetadata:
     """The step's ``rows`` attended as decodes, once the step has written its K/V to the cache.
 
@@ -139,12 +148,8 @@ def decode_view(metadata: AttentionMetadata, rows: Sequence[int]) -> AttentionMe
     Raises:
         ValueError: when a row is negative or not below ``num_actual_tokens``.
     """
+    check_real_rows(metadata, rows)
     r = np.asarray(rows, dtype=np.int64).reshape(-1)
-    bad = np.flatnonzero((r < 0) | (r >= metadata.num_actual_tokens))
-    if bad.size:
-        raise ValueError(
-            f"row {int(r[bad[0]])} is not a real row of the step (0 <= row < {metadata.num_actual_tokens})"
-        )
     qsl = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
     req = np.searchsorted(qsl, r, side="right") - 1  # (n,) request of each row
     pos = np.asarray(metadata.prior_tokens_cpu, dtype=np.int64)[req] + (r - qsl[req])  # (n,) positions

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from segserve.attention.kv_store import write_kv
-from segserve.attention.metadata import AttentionMetadata, decode_view
+from segserve.attention.metadata import AttentionMetadata, check_real_rows, decode_view
 from segserve.attention.segmented import SegmentedAttentionBackend
 from segserve.kernels import amx, bf16gemm, quant
 from segserve.kernels import cpu as cpu_kernels
@@ -185,10 +185,7 @@ class CpuStep:
         """
         model = self.model
         self._step_logits = None
-        bad = next((r for r in logits_rows or () if not 0 <= r < metadata.num_actual_tokens), None)
-        if bad is not None:
-            raise ValueError(f"logits row {bad} is not a real row of the step (0 <= row < "
-                             f"{metadata.num_actual_tokens})")
+        check_real_rows(metadata, logits_rows or (), "logits row")
         dtype, device = model.activation_dtype, model.norm.weight.device
         if not self._kernels_fit(dtype, device):
             return model(input_ids, positions, kv_caches, metadata)
