@@ -895,8 +895,8 @@ def run_servers_interleaved(unit: Unit, args: argparse.Namespace, record: dict, 
             if up is not None:
                 ups[engine] = up
         for turn, (key, fn) in enumerate(x for w in unit.workloads for x in SERVER_WORKLOADS[w]):
-            for engine in (e for e in (ENGINES if turn % 2 == 0 else ENGINES[::-1]) if e in ups):
-                waited = max((wait_idle(p.pid) for e, (_, p) in ups.items() if e != engine), default=0.0)
+            for engine in turn_order(turn, ups):
+                waited = wait_others_idle(engine, {e: proc.pid for e, (_, proc) in ups.items()})
                 one = Unit(engine, unit.dtype, unit.group, unit.workloads)
                 got = server_workload(key, fn, ups[engine][0], one, args, log_dir)
                 if got is not None:
@@ -1158,6 +1158,18 @@ def merge_parts(spec: dict, parts: list[dict]) -> dict:
 IDLE_CPU_SHARE, IDLE_WINDOW_S, IDLE_MAX_S = 0.05, 0.25, 10.0
 
 
+def turn_order(turn: int, present) -> list[str]:
+    """The engines of ``present`` (their names) in turn ``turn``'s order: ``ENGINES`` on even turns,
+    reversed on odd ones (A B, B A, ...)."""
+    return [e for e in (ENGINES if turn % 2 == 0 else ENGINES[::-1]) if e in present]
+
+
+def wait_others_idle(engine: str, pids: dict[str, int]) -> float:
+    """Seconds spent waiting (:func:`wait_idle`, the longest) for every engine of ``pids`` but ``engine``
+    to go quiet before ``engine``'s turn."""
+    return max((wait_idle(pid) for e, pid in pids.items() if e != engine), default=0.0)
+
+
 def wait_idle(pid: int) -> float:
     """Seconds spent waiting until process ``pid`` and its children use under ``IDLE_CPU_SHARE`` of a
     core over ``IDLE_WINDOW_S`` (at most ``IDLE_MAX_S``)."""
@@ -1204,10 +1216,8 @@ def run_offline_interleaved(unit: Unit, args: argparse.Namespace, record: dict) 
             got: dict[str, list[dict]] = {e: [] for e in ENGINES}
             waited: list[float] = []
             for piece in split_workload(spec):
-                for engine in (ENGINES if turn % 2 == 0 else ENGINES[::-1]):
-                    for other in ENGINES:
-                        if other != engine:
-                            waited.append(wait_idle(drivers[other].proc.pid))
+                for engine in turn_order(turn, drivers):
+                    waited.append(wait_others_idle(engine, {e: d.proc.pid for e, d in drivers.items()}))
                     got[engine].append(drivers[engine].run(piece))
                 turn += 1
             for engine in ENGINES:
