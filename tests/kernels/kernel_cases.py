@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from segserve.attention.kv_store import write_kv
 from segserve.attention.metadata import AttentionMetadata, build_attention_metadata
 from segserve.attention.segment_walk import segment_walk
+from segserve.kernels import chunk_attention as ca
 
 torch.set_num_threads(2)
 
@@ -143,4 +145,16 @@ def at_thread_counts(run, *counts: int) -> list:
         return out
     finally:
         torch.set_num_threads(old)
+
+
+def assert_other_requests_untouched(case: Case) -> None:
+    """The chunk kernel on ``case`` (two requests of 20 and 30 tokens) into an output filled with 7:
+    the first request's rows, whose queries are not passed, keep it; the second's are all written."""
+    md = case.metadata
+    write_kv(case.cache, case.k, case.v, md.slot_mapping)
+    out = torch.full_like(case.q, 7.0)
+    starts, lens, priors, reqs = (t[1:] for t in chunk_tensors(case))
+    ca.chunk_attention(case.q, out, case.cache, md.block_table, starts, lens, priors, reqs, 512, case.scale)
+    assert torch.all(out[:20] == 7.0)
+    assert not torch.any(out[20:50] == 7.0)
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import at_thread_counts, chunk_tensors, make_case, sdpa_oracle
+from kernel_cases import (
+    assert_other_requests_untouched,
+    at_thread_counts,
+    chunk_tensors,
+    make_case,
+    sdpa_oracle,
+)
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.segmented import SegmentedAttentionBackend
@@ -90,13 +96,7 @@ def test_segment_size_changes_only_rounding() -> None:
 
 def test_rows_of_other_requests_are_untouched() -> None:
     case = make_case([20, 30], [10, 40], block_size=16, seg=512, dtype=torch.bfloat16)
-    md = case.metadata
-    write_kv(case.cache, case.k, case.v, md.slot_mapping)
-    out = torch.full_like(case.q, 7.0)
-    starts, lens, priors, reqs = (t[1:] for t in chunk_tensors(case))
-    ca.chunk_attention(case.q, out, case.cache, md.block_table, starts, lens, priors, reqs, 512, case.scale)
-    assert torch.all(out[:20] == 7.0)
-    assert not torch.any(out[20:50] == 7.0)
+    assert_other_requests_untouched(case)
 
 
 def test_backend_uses_it_and_matches_its_sdpa_path() -> None:

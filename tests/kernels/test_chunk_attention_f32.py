@@ -17,7 +17,14 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import at_thread_counts, chunk_tensors, contiguous_prior, make_case, sdpa_oracle
+from kernel_cases import (
+    assert_other_requests_untouched,
+    at_thread_counts,
+    chunk_tensors,
+    contiguous_prior,
+    make_case,
+    sdpa_oracle,
+)
 
 from segserve.attention.kv_store import write_kv
 from segserve.attention.segmented import SegmentedAttentionBackend
@@ -167,13 +174,7 @@ def test_segment_size_changes_only_rounding() -> None:
 
 def test_rows_of_other_requests_are_untouched() -> None:
     case = _case([20, 30], [10, 40])
-    md = case.metadata
-    write_kv(case.cache, case.k, case.v, md.slot_mapping)
-    out = torch.full_like(case.q, 7.0)
-    starts, lens, priors, reqs = (t[1:] for t in chunk_tensors(case))
-    ca.chunk_attention(case.q, out, case.cache, md.block_table, starts, lens, priors, reqs, 512, case.scale)
-    assert torch.all(out[:20] == 7.0)
-    assert not torch.any(out[20:50] == 7.0)
+    assert_other_requests_untouched(case)
 
 
 def test_a_long_chunk_equals_its_rows_attended_16_at_a_time_bitwise() -> None:
